@@ -1,0 +1,31 @@
+"""Run a function on `world` local processes joined in a gloo process group (as torchrun would)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args):
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1 if world > 1 else 2)
+    try:
+        fn(rank, world, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(world: int, fn, *args) -> None:
+    """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails."""
+    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)

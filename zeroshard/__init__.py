@@ -1,0 +1,39 @@
+"""zeroshard: ZeRO data parallelism (stages 0-3) for any unmodified torch.nn.Module.
+
+    engine = zeroshard.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                  config={"stage": 3, "precision": "bf16"})
+    for batch in data:
+        loss = engine(batch).loss
+        engine.backward(loss)
+        engine.step()
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .collectives import DivergedError
+from .config import Config, load_config
+from .engine import Engine
+from .hooks import ShardedParameterError
+
+__all__ = ["Config", "Engine", "initialize", "DivergedError", "ShardedParameterError"]
+
+
+def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
+               *, device: torch.device | str | None = None) -> Engine:
+    """Wrap `model` for ZeRO data-parallel training.
+
+    optimizer: a callable taking the list of flat fp32 master tensors this rank owns and returning a
+        torch.optim.Optimizer; None gives AdamW(lr=1e-3).
+    config: a `Config`, a dict of its fields, or a path to a .json/.toml file with them.
+    device: where compute runs; default cuda:LOCAL_RANK when CUDA is available, else the CPU.
+    The process group comes from torchrun's environment (gloo on CPU, NCCL on CUDA); without it the
+    world is this one process.
+    """
+    if optimizer is not None and not callable(optimizer):
+        raise ValueError("zeroshard.initialize: optimizer must be a callable taking a list of tensors "
+                         "(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), or None")
+    cfg = load_config(config)
+    return Engine(model, optimizer, cfg, torch.device(device) if device is not None else None)

@@ -1,0 +1,259 @@
+"""Chunks: parameters packed into flat buffers, each sharded evenly over the ranks.
+
+Vocabulary (used in names, logs and errors throughout zeroshard):
+- chunk: a flat buffer holding several whole parameters back to back, in order of first use.
+- padded numel: the chunk's length rounded up so that it splits into `world` equal shards.
+- shard: rank r's slice [r*s, (r+1)*s) of a chunk, s = padded numel / world.
+- owned range: the part of a chunk whose optimizer update this rank computes: the whole chunk at
+  stage 0, the rank's shard at stages 1-3.
+- full: the whole chunk in compute dtype; params are views into it. Persistent at stages 0-2; at
+  stage 3 it exists only while the chunk is GATHERED (or GATHERING).
+- master: the fp32 copy of the owned range that the optimizer updates. In fp32 training it *is* the
+  owned range of the compute storage (no copy).
+- grad full / grad shard: gradients of the whole chunk in compute dtype, and this rank's reduced
+  slice of them.
+
+Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def pack(numels: list[int], capacity: int) -> list[list[int]]:
+    """Assign parameters (given by size, in order of first use) to chunks.
+
+    Next-fit in order: a parameter joins the current chunk if it fits in `capacity` elements
+    (offsets aligned to ALIGN), else opens a new one; a parameter never straddles two chunks, and one
+    larger than `capacity` gets a chunk of its own. Returns, per chunk, the indices into `numels`.
+    """
+    chunks: list[list[int]] = []
+    used = capacity + 1  # forces a first chunk
+    for i, n in enumerate(numels):
+        start = _round_up(used, ALIGN)
+        if not chunks or start + n > capacity:
+            chunks.append([i])
+            used = n
+        else:
+            chunks[-1].append(i)
+            used = start + n
+    return chunks
+
+
+def auto_chunk_size(numels: list[int]) -> int:
+    """Default chunk capacity (elements) until the Elixir search picks one: about an eighth of the
+    model, at most 64M elements, and never smaller than the largest parameter."""
+    if not numels:
+        return ALIGN
+    return max(max(numels), min(1 << 26, math.ceil(sum(numels) / 8)))
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its chunk."""
+
+    param: nn.Parameter
+    name: str  # its first fully qualified name in the model
+    offset: int  # elements from the start of the chunk
+    numel: int
+    shape: torch.Size
+
+
+class ChunkState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Chunk:
+    """One chunk: its storage for a given stage, and the moves between its states.
+
+    Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
+    """
+
+    def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
+                 dtype: torch.dtype, device: torch.device, trainable: bool, values: list[torch.Tensor],
+                 comm=None):
+        self.index = index
+        self.slots = slots
+        self.stage = stage
+        self.trainable = trainable
+        self.dtype = dtype
+        self.device = device
+        self.numel = slots[-1].offset + slots[-1].numel
+        self.padded_numel = _round_up(self.numel, world * ALIGN)
+        self.shard_numel = self.padded_numel // world
+        lo = rank * self.shard_numel
+        self.shard_range = (lo, lo + self.shard_numel)
+        self.owned_range = (0, self.padded_numel) if stage == 0 else self.shard_range
+
+        # Build the full chunk once from the parameters' current values (fp32 where available, so
+        # the master copy starts exact), then keep what this stage keeps.
+        full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        for s, v in zip(slots, values):
+            full32[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+        if comm is not None:  # ranks start from rank 0's values, as DDP does
+            comm.broadcast(full32)
+        lo, hi = self.owned_range
+        if stage == 3:
+            self.full = None
+            self.shard = full32[lo:hi].to(dtype).clone()
+            self.state = ChunkState.SHARDED
+        else:
+            self.full = full32 if dtype == torch.float32 else full32.to(dtype)
+            self.shard = self.full[lo:hi]
+            self.state = ChunkState.GATHERED
+        self.master = None
+        if trainable:
+            # fp32 training: the optimizer updates the compute storage itself.
+            self.master = self.shard if dtype == torch.float32 else full32[lo:hi].clone()
+            self.master = nn.Parameter(self.master, requires_grad=True)
+        del full32
+        self.pending = None  # async collective in flight on this chunk: (work, on_done)
+
+        # Gradients (trainable chunks only). Stages 0-1 keep the full gradient for the whole step;
+        # stages 2-3 keep only the reduced shard, and the full gradient lives from the first
+        # gradient of a backward pass until this chunk's reduce-scatter completes.
+        self.grad_full = None
+        self.grad_shard = None
+        if trainable and stage <= 1:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+        self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
+        self.reduced = False  # a reduction of this backward pass's gradient has started
+        self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
+        self.expected_grads = sum(1 for s in slots if s.param.requires_grad)
+        if stage != 3:
+            self.bind_params()
+
+    # -- parameters ---------------------------------------------------------------------------
+    def bind_params(self) -> None:
+        """Point every parameter's data at its view of the full chunk."""
+        for s in self.slots:
+            s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+
+    def unbind_params(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for s in self.slots:
+            s.param.data = empty
+
+    # -- stage 3 gather / release ---------------------------------------------------------------
+    def start_gather(self, comm) -> None:
+        """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
+        assert self.state is ChunkState.SHARDED, self.state
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        work = comm.all_gather(self.full, self.shard, async_op=True)
+        self.pending = work
+        self.state = ChunkState.GATHERING
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""
+        assert self.state is ChunkState.GATHERING, self.state
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        self.state = ChunkState.GATHERED
+        self.bind_params()
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED: free the full chunk (stage 3 only)."""
+        if self.state is ChunkState.GATHERING:
+            self.finish_gather()
+        assert self.state is ChunkState.GATHERED, self.state
+        self.unbind_params()
+        self.full = None
+        self.state = ChunkState.SHARDED
+
+    # -- gradients -----------------------------------------------------------------------------
+    def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+
+    def start_reduce(self, comm) -> None:
+        """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
+        reduce-scatter into this rank's slot of the full gradient at stages 1-3."""
+        self.reduced = True
+        if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+        if self.stage == 0:
+            self.pending = comm.all_reduce_sum(self.grad_full, async_op=True)
+        else:
+            lo, hi = self.shard_range
+            self.pending = comm.reduce_scatter_sum(self.grad_full[lo:hi], self.grad_full, async_op=True)
+
+    def stash_reduced(self) -> None:
+        """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
+        re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
+        new buffer, reduced when backward ends."""
+        self.stash = (self.grad_full, self.pending)
+        self.grad_full, self.pending, self.reduced = None, None, False
+
+    def finish_reduce(self) -> None:
+        """Wait for this backward pass's reductions and fold them into the kept gradient."""
+        stashed = None
+        if self.stash is not None:
+            stashed, work = self.stash
+            self.stash = None
+            if work is not None:
+                work.wait()
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+        if not self.reduced:  # stages 0-1 between accumulation boundaries: nothing was reduced
+            return
+        self.reduced = False
+        lo, hi = self.owned_range
+        if self.stage <= 1:
+            if stashed is not None:
+                stashed[lo:hi].add_(self.grad_full[lo:hi])
+                self.grad_full = stashed
+            return
+        # Stages 2-3 keep only the reduced slice, accumulated over micro-batches.
+        reduced = self.grad_full[lo:hi]
+        if stashed is not None:
+            reduced = reduced + stashed[lo:hi]
+        if self.grad_shard is None:
+            self.grad_shard = reduced.clone()
+        else:
+            self.grad_shard.add_(reduced)
+        self.grad_full = None
+
+    def owned_grad(self) -> torch.Tensor | None:
+        """The reduced gradient of the owned range (compute dtype), or None before any backward."""
+        if self.stage >= 2:
+            return self.grad_shard
+        lo, hi = self.owned_range
+        return self.grad_full[lo:hi]
+
+    def zero_grad(self) -> None:
+        if self.stage <= 1:
+            self.grad_full.zero_()
+        else:
+            self.grad_shard = None
+            self.grad_full = None
+        self.grads_seen = 0
+
+    # -- accounting ----------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Persistent bytes this chunk holds on this rank, by kind (the optimizer's own states are
+        counted by the engine)."""
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        params = (self.shard_numel if self.stage == 3 else self.padded_numel) * el
+        grads = 0
+        if self.trainable:
+            grads = (self.padded_numel if self.stage <= 1 else self.shard_numel) * el
+        master = 0
+        if self.master is not None and self.dtype != torch.float32:
+            master = self.master.numel() * 4
+        return {"params": params, "grads": grads, "master": master}

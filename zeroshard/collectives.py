@@ -1,0 +1,118 @@
+"""The one module that talks to torch.distributed.
+
+Every collective zeroshard issues goes through `Comm`, which
+- counts payload elements the way the ZeRO paper counts volume: an all-reduce of M elements counts
+  2M, a reduce-scatter or all-gather counts M, M being the full (unsharded) size;
+- handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
+- turns a world of one process (no process group) into local copies, so world size 1 runs the same
+  code path as world size N;
+- optionally checks, before a collective issued from a module hook, that every rank is about to
+  issue the same one (see `check_order`), so a divergent call order raises instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class DivergedError(RuntimeError):
+    """Ranks were about to issue different collectives: their call order diverged."""
+
+
+def init_process_group(device: torch.device | None = None) -> None:
+    """Join torchrun's process group if its environment is set and none exists yet.
+
+    gloo for CPU tensors, NCCL for CUDA. Without torchrun's environment the world is one process and
+    no group is created.
+    """
+    if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+
+
+class Comm:
+    """Counted collectives over one process group (or over a single process)."""
+
+    def __init__(self, device: torch.device, group=None):
+        self.device = device  # where control tensors live: NCCL needs them on the GPU
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world = dist.get_world_size(group) if self.distributed else 1
+        self.elements = 0  # payload volume since the last reset, counted as the ZeRO paper does
+        self.control_collectives = 0  # small collectives: order checks, overflow flags, norms
+        self.counting = True
+        self._order_check_buf = None
+
+    def reset_counters(self) -> None:
+        self.elements = 0
+        self.control_collectives = 0
+
+    def _count(self, n: int) -> None:
+        if self.counting and self.world > 1:
+            self.elements += n
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """full[r*s:(r+1)*s] <- shard of rank r, for every r. Counts len(full)."""
+        self._count(full.numel())
+        if self.world == 1:
+            if full.data_ptr() != shard.data_ptr():
+                full.copy_(shard)
+            return None
+        return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
+        """shard <- sum over ranks of full[rank*s:(rank+1)*s]. Counts len(full).
+
+        `shard` may alias its own slot of `full` (NCCL and gloo both accept that)."""
+        self._count(full.numel())
+        if self.world == 1:
+            if full.data_ptr() != shard.data_ptr():
+                shard.copy_(full)
+            return None
+        return dist.reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
+        """t <- sum over ranks of t, in place. Counts 2*len(t)."""
+        self._count(2 * t.numel())
+        if self.world == 1:
+            return None
+        return dist.all_reduce(t, group=self.group, async_op=async_op)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """Uncounted: used only at set-up, outside any step."""
+        if self.world > 1:
+            dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
+                           group=self.group)
+
+    def control_all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """A small all-reduce that carries no model data (overflow flag, squared norm)."""
+        if self.world > 1:
+            self.control_collectives += 1
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    def check_order(self, tag: int, describe) -> None:
+        """Raise DivergedError on every rank unless every rank passes the same `tag`.
+
+        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min.
+        `describe(tag)` names a tag in the error message."""
+        if self.world == 1:
+            return
+        if self._order_check_buf is None:
+            self._order_check_buf = torch.empty(2, dtype=torch.int64, device=self.device)
+        buf = self._order_check_buf
+        buf[0], buf[1] = tag, -tag
+        self.control_collectives += 1
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        hi, lo = int(buf[0]), -int(buf[1])
+        if hi != lo:
+            raise DivergedError(
+                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe(tag)}, but another "
+                f"rank is about to {describe(hi if hi != tag else lo)}. Every rank must call the same "
+                "modules in the same order (data-dependent control flow that differs between ranks is "
+                "not supported at this stage)."
+            )

@@ -1,0 +1,109 @@
+"""User-facing configuration: one frozen dataclass, validated on construction.
+
+A config can be given as a `Config`, a dict, or a path to a JSON or TOML file. Every key is checked;
+an unknown key or a bad value raises ValueError naming the key and what it accepts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """How zeroshard trains a model.
+
+    stage: ZeRO stage. 0 = plain data parallelism (gradients all-reduced, everything replicated);
+        1 = fp32 master weights and optimizer states sharded; 2 = gradients sharded too;
+        3 = 16-bit parameters sharded too, gathered chunk by chunk when a module needs them.
+    precision: 'fp32', or 'bf16'/'fp16' for 16-bit compute with fp32 master weights (fp16 adds
+        dynamic loss scaling that skips a step on overflow, on every rank alike).
+    gradient_accumulation_steps: micro-batches per optimizer step.
+    clip_grad_norm: max global L2 norm of the gradients over all shards; None disables clipping.
+    chunk_size: capacity of one chunk in elements, or 'auto'. A parameter never straddles chunks,
+        so the capacity is raised to the largest parameter if needed.
+    cache_chunks: how many gathered chunks stage 3 may hold at once (the rCache); None = unlimited.
+    prefetch: stage 3 gathers the next chunk of the recorded order ahead of its use.
+    check_order: before every collective issued from a module hook, ranks compare what they are
+        about to do, so ranks whose call order diverges get an error instead of a hang or wrong data.
+        Costs one tiny collective per chunk operation.
+    initial_loss_scale / loss_scale_window: fp16 dynamic loss scaling: the starting scale, and how
+        many overflow-free steps before the scale doubles. Each overflow halves it.
+    """
+
+    stage: int = 2
+    precision: str = "fp32"
+    gradient_accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
+    chunk_size: int | str = "auto"
+    cache_chunks: int | None = None
+    prefetch: bool = True
+    check_order: bool = True
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+
+    def __post_init__(self):
+        def bad(key, valid):
+            raise ValueError(f"zeroshard config: {key}={getattr(self, key)!r} is invalid; valid: {valid}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.stage) or self.stage not in (0, 1, 2, 3):
+            bad("stage", "0, 1, 2 or 3")
+        if self.precision not in PRECISIONS:
+            bad("precision", "'fp32', 'bf16' or 'fp16'")
+        if not is_int(self.gradient_accumulation_steps) or self.gradient_accumulation_steps < 1:
+            bad("gradient_accumulation_steps", "an integer >= 1")
+        if self.clip_grad_norm is not None and (
+            isinstance(self.clip_grad_norm, bool)
+            or not isinstance(self.clip_grad_norm, (int, float))
+            or not self.clip_grad_norm > 0
+        ):
+            bad("clip_grad_norm", "a number > 0, or None to disable")
+        if self.chunk_size != "auto" and (not is_int(self.chunk_size) or self.chunk_size < 1):
+            bad("chunk_size", "'auto' or an integer >= 1 (elements)")
+        if self.cache_chunks is not None and (not is_int(self.cache_chunks) or self.cache_chunks < 1):
+            bad("cache_chunks", "an integer >= 1, or None for unlimited")
+        for key in ("prefetch", "check_order"):
+            if not isinstance(getattr(self, key), bool):
+                bad(key, "true or false")
+        if isinstance(self.initial_loss_scale, bool) or not isinstance(self.initial_loss_scale, (int, float)) \
+                or not self.initial_loss_scale > 0:
+            bad("initial_loss_scale", "a number > 0")
+        if not is_int(self.loss_scale_window) or self.loss_scale_window < 1:
+            bad("loss_scale_window", "an integer >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(cfg: Config | dict | str | os.PathLike | None) -> Config:
+    """Turn any accepted form of configuration into a validated `Config`."""
+    if cfg is None:
+        return Config()
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, (str, os.PathLike)):
+        path = os.fspath(cfg)
+        if path.endswith(".toml"):
+            with open(path, "rb") as f:
+                cfg = tomllib.load(f)
+        elif path.endswith(".json"):
+            with open(path) as f:
+                cfg = json.load(f)
+        else:
+            raise ValueError(f"zeroshard config: {path!r} must be a .json or .toml file")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"zeroshard config must be a Config, a dict or a path, not {type(cfg).__name__}")
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        raise ValueError(f"zeroshard config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+    return Config(**cfg)

@@ -1,0 +1,337 @@
+"""The engine: applies ZeRO data parallelism to an unmodified nn.Module and drives one training step.
+
+Data path: model -> chunks (parameters packed in order of first use, sharded) -> hooks (stage 3
+gathers/releases; gradients flow into chunks and are reduced as soon as a chunk is complete) ->
+ShardedOptimizer (fp32 masters of owned ranges) -> parameters pushed back.
+
+Gradient reduction timing (see [Note: reduce]):
+- stages 0-1 keep the full gradient for the whole step and reduce only in the backward pass of the
+  micro-batch that ends the step (all-reduce at 0, reduce-scatter at 1), as each chunk completes;
+- stages 2-3 reduce-scatter every micro-batch, as each chunk completes, and keep only their shard.
+A chunk is complete when every trainable parameter in it has its gradient. Whatever is not complete
+when backward returns (parameters that got no gradient) is reduced then, in chunk order, so every
+rank issues the same collectives in the same order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn as nn
+
+from .cache import ChunkCache
+from .chunks import Chunk, ChunkState, Slot, auto_chunk_size, pack
+from .collectives import Comm, init_process_group
+from .config import Config
+from .hooks import FirstUseRecorder, Stage3Hooks, direct_params
+from .optimizer import LossScaler, ShardedOptimizer
+
+log = logging.getLogger("zeroshard")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REDUCE = 2  # tag kind for order checks
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class Engine:
+    """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
+
+    def __init__(self, module: nn.Module, make_opt, config: Config, device: torch.device | None = None):
+        self.config = config
+        self.device = device or default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_process_group(self.device)
+        self.comm = Comm(self.device)
+        self.module = module
+        self.dtype = DTYPES[config.precision]
+        self.stage = config.stage
+        self.micro_steps = 0
+        self.steps = 0
+        self._stats = {}
+
+        # Parameters, deduplicated (tied weights are one parameter), with their first name.
+        self.params: list[nn.Parameter] = []
+        self.names: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            self.names[id(p)] = name
+            self.params.append(p)
+        if not self.params:
+            raise ValueError("zeroshard: the model has no parameters")
+        self.shapes = {id(p): p.shape for p in self.params}
+        # Keys of the model's own state_dict, resolved now, before stage 3 swaps parameter slots.
+        self._state_keys = [(k, v) for k, v in module.state_dict(keep_vars=True).items()]
+        for b_name, b in module.named_buffers():
+            module.get_submodule(b_name.rpartition(".")[0])._buffers[b_name.rpartition(".")[2]] = b.to(self.device)
+
+        numels = [p.numel() for p in self.params]
+        cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
+        self.chunk_capacity = max(cap, max(numels))
+        self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch, config.check_order)
+        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) \
+            if config.precision == "fp16" else None
+        self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
+                                      accumulation=config.gradient_accumulation_steps,
+                                      clip_grad_norm=config.clip_grad_norm, scaler=self.scaler)
+        self.chunks: list[Chunk] = []
+        self._build_chunks(self.params, [p.detach() for p in self.params], broadcast=True)
+        self.optim.attach(self.chunks)
+
+        self.hooks = None
+        if self.stage == 3:
+            self.hooks = Stage3Hooks(module, self.cache, self._chunks_of, self.names, self.shapes, self.dtype)
+        for p in self.params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._grad_arrived)
+        # First-use order: recorded in the first training forward; chunks are re-packed if it
+        # differs from module order. The prefetch schedule is recorded over the first micro-batch
+        # that runs entirely on the final packing.
+        self._recorder = FirstUseRecorder(module)
+        self._layout_final = False
+        self.cache.recording = True
+        self._micro_layout_final = False
+
+    # -- chunks ---------------------------------------------------------------------------------
+    def _build_chunks(self, order: list[nn.Parameter], values: list[torch.Tensor], broadcast: bool) -> None:
+        """Pack `order` into chunks (trainable and frozen parameters apart: frozen ones have no
+        gradients and no optimizer state) with the given full values."""
+        chunks, self._slot_of, self._module_chunks = [], {}, {}
+        value_of = {id(p): v for p, v in zip(order, values)}
+        for trainable in (True, False):
+            group = [p for p in order if p.requires_grad == trainable]
+            for idxs in pack([p.numel() for p in group], self.chunk_capacity):
+                slots, off = [], 0
+                for i in idxs:
+                    p = group[i]
+                    off = (off + 15) // 16 * 16 if slots else 0
+                    slots.append(Slot(p, self.names[id(p)], off, p.numel(), self.shapes[id(p)]))
+                    off += p.numel()
+                vals = [value_of[id(s.param)] for s in slots]
+                c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
+                          dtype=self.dtype, device=self.device, trainable=trainable, values=vals,
+                          comm=self.comm if broadcast else None)
+                chunks.append(c)
+                for s in slots:
+                    self._slot_of[id(s.param)] = (c, s)
+        self.chunks = chunks
+        self.cache.set_chunks(chunks)
+
+    def _chunks_of(self, module: nn.Module) -> list[Chunk]:
+        got = self._module_chunks.get(module)
+        if got is None:
+            got = []
+            for _, p in direct_params_real(self, module):
+                c = self._slot_of[id(p)][0]
+                if c not in got:
+                    got.append(c)
+            self._module_chunks[module] = got
+        return got
+
+    def _repack(self, order: list[nn.Parameter]) -> None:
+        """Re-pack chunks in first-use order (once, before the first backward)."""
+        log.info("zeroshard: re-packing %d chunks in order of first use", len(self.chunks))
+        full = self._full_values()
+        self.cache.flush()
+        for c in self.chunks:
+            if c.state is not ChunkState.SHARDED and self.stage == 3:
+                c.release()
+        self._build_chunks(order, [full[id(p)] for p in order], broadcast=False)
+        self.optim.attach(self.chunks)
+
+    def _full_values(self) -> dict[int, torch.Tensor]:
+        """Full fp32 value of every parameter (a collective; not counted as step traffic)."""
+        out = {}
+        self.comm.counting = False
+        try:
+            for c in self.chunks:
+                if c.master is not None:
+                    src, lo, hi = c.master.detach(), *c.owned_range
+                else:
+                    src, (lo, hi) = c.shard, c.owned_range
+                if (lo, hi) == (0, c.padded_numel):
+                    full = src.float()
+                else:
+                    full = torch.empty(c.padded_numel, dtype=src.dtype, device=self.device)
+                    self.comm.all_gather(full, src)
+                    full = full.float()
+                for s in c.slots:
+                    out[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape)
+        finally:
+            self.comm.counting = True
+        return out
+
+    # -- training API -----------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._to_device((args, kwargs))
+        recording = self._recorder is not None and self.module.training and torch.is_grad_enabled()
+        self._micro_layout_final = self._layout_final
+        out = self.module(*args, **kwargs)
+        if recording:
+            self._finish_recording()
+        return out
+
+    forward = __call__
+
+    def _finish_recording(self) -> None:
+        used = self._recorder.order
+        self._recorder.remove()
+        self._recorder = None
+        seen = {id(p) for p in used}
+        order = used + [p for p in self.params if id(p) not in seen]
+        current = [s.param for c in self.chunks for s in c.slots]
+        want = [p for t in (True, False) for p in order if p.requires_grad == t]
+        if [id(p) for p in want] != [id(p) for p in current]:
+            self._repack(order)
+        self._layout_final = True
+
+    def _to_device(self, tree):
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                if x.is_floating_point() and x.dtype != self.dtype:
+                    x = x.to(self.dtype)
+                return x.to(self.device, non_blocking=True)
+            if isinstance(x, (list, tuple)):
+                return type(x)(move(v) for v in x)
+            if isinstance(x, dict):
+                return {k: move(v) for k, v in x.items()}
+            return x
+        return move(tree)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (the mean loss of this rank's micro-batch)."""
+        self._boundary = (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+        self._reduce_now = self.stage >= 2 or self._boundary
+        if self.scaler is not None:
+            loss = loss.float() * self.scaler.scale
+        try:
+            loss.backward()
+        finally:
+            if self.hooks is not None:
+                self.hooks.end_backward()
+        self._flush_reductions()
+        self.micro_steps += 1
+        if self.cache.recording and self._micro_layout_final:
+            self.cache.recording = False
+        elif self.cache.recording:
+            self.cache.schedule.clear()
+
+    def _grad_arrived(self, p: nn.Parameter) -> None:
+        chunk, slot = self._slot_of[id(p)]
+        if chunk.reduced:
+            chunk.stash_reduced()
+        chunk.accumulate_grad(slot, p.grad)
+        p.grad = None
+        chunk.grads_seen += 1
+        if self._reduce_now and not chunk.reduced and chunk.grads_seen == chunk.expected_grads:
+            self._start_reduce(chunk)
+        if self.hooks is not None:
+            self.hooks.grad_arrived(p)
+
+    def _start_reduce(self, chunk: Chunk) -> None:
+        if self.config.check_order:
+            self.comm.check_order(REDUCE << 32 | chunk.index, _describe)
+        chunk.start_reduce(self.comm)
+
+    def _flush_reductions(self) -> None:
+        for c in self.chunks:
+            if not c.trainable:
+                continue
+            if self._reduce_now and not c.reduced:
+                self._start_reduce(c)
+        for c in self.chunks:
+            if c.trainable:
+                c.finish_reduce()
+                c.grads_seen = 0
+
+    def step(self) -> bool:
+        """At the end of a gradient accumulation window, apply the update and clear gradients.
+        Returns True when an update was applied (False between boundaries or on fp16 overflow)."""
+        if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps:
+            return False
+        applied = self.optim.step()
+        for c in self.chunks:
+            if c.trainable:
+                c.zero_grad()
+        if self.stage == 3:
+            self.cache.flush()
+        self.steps += int(applied)
+        self._record_stats(applied)
+        return applied
+
+    def zero_grad(self) -> None:
+        """Gradients are cleared by step(); kept for familiarity."""
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optim.optimizer
+
+    # -- state and numbers ---------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
+        values (and buffers as they are), on the CPU."""
+        full = self._full_values()
+        out = {}
+        for key, obj in self._state_keys:
+            if id(obj) in full:
+                out[key] = full[id(obj)].detach().cpu().clone()
+            else:
+                out[key] = self.module.get_buffer(key).detach().cpu().clone()
+        return out
+
+    def _record_stats(self, applied: bool) -> None:
+        by_kind = {"params": 0, "grads": 0, "optimizer": self.optim.state_bytes()}
+        for c in self.chunks:
+            b = c.state_bytes()
+            by_kind["params"] += b["params"]
+            by_kind["grads"] += b["grads"]
+            by_kind["optimizer"] += b["master"]
+        self._stats = {
+            "step": self.steps,
+            "applied": applied,
+            "comm_elements": self.comm.elements,
+            "control_collectives": self.comm.control_collectives,
+            "model_state_bytes": sum(by_kind.values()),
+            "model_state_bytes_by_kind": by_kind,
+            "num_params": sum(p.numel() for p in self.params),
+            "num_chunks": len(self.chunks),
+            "padded_elements": sum(c.padded_numel for c in self.chunks),
+            "cache_peak_chunks": self.cache.peak,
+            "cache_overflows": self.cache.overflows,
+            "loss_scale": self.scaler.scale if self.scaler else None,
+            "grad_norm": self.optim.last_grad_norm,
+            "world_size": self.comm.world,
+        }
+        self.comm.reset_counters()
+        self.cache.peak = 0
+
+    def stats(self) -> dict:
+        """Figures of the last optimizer step: `comm_elements` (payload elements this rank moved,
+        counted as the ZeRO paper does), `model_state_bytes` and `model_state_bytes_by_kind`
+        (bytes of parameters, gradients and optimizer states this rank holds; transient buffers
+        and the stage-3 cache excluded), and more."""
+        return dict(self._stats)
+
+
+def direct_params_real(engine: Engine, module: nn.Module):
+    """A module's direct parameters, the real ones even while stage 3 has placeholders in place."""
+    if engine.hooks is not None and module in engine.hooks.real:
+        return engine.hooks.real[module]
+    return direct_params(module)
+
+
+def _describe(tag: int) -> str:
+    from .cache import describe_tag
+    return describe_tag(tag)

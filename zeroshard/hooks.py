@@ -1,0 +1,167 @@
+"""Module hooks: where the model's execution drives chunk gathers and releases (stage 3), and where
+the first-use order of parameters is recorded (every stage).
+
+Stage 3 lifecycle of one module call:
+  forward pre-hook   acquire (gather + pin) the module's chunks; put the real parameters in its slots
+  forward post-hook  put placeholders back; unpin; register a pre-backward hook on the outputs
+  pre-backward       acquire the chunks again and *hold* them for this module's backward
+  gradient arrival   once every trainable direct parameter of the module has its gradient, the hold
+                     ends (the engine calls `grad_arrived`); holds still open end with the backward.
+
+Outside its module's forward, a stage-3 parameter's slot holds a `ShardedPlaceholder` with the
+parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
+the parameter, instead of silently reading a freed buffer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+}
+
+
+class ShardedParameterError(RuntimeError):
+    """A stage-3 parameter was computed with outside the forward of a module that owns it."""
+
+
+class ShardedPlaceholder(torch.Tensor):
+    """Occupies a module's parameter slot while stage 3 holds that parameter sharded."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, shape: torch.Size, dtype, name: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=like.device,
+                                                requires_grad=like.requires_grad)
+        t._zs_name = name
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten((args, kwargs or {}))
+        names = sorted({a._zs_name for a in flat if isinstance(a, ShardedPlaceholder)})
+        if func is torch.Tensor.__repr__:
+            return f"ShardedPlaceholder({names[0]}, shape={tuple(args[0].shape)})"
+        raise ShardedParameterError(
+            f"zeroshard stage 3: parameter {', '.join(names)} was used by "
+            f"{getattr(func, '__name__', func)} outside the forward of a module that owns it, while "
+            "it is sharded. Use it inside that module's forward (or a module that registers it), "
+            "read engine.full_state_dict(), or use stage <= 2."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
+
+
+def output_tensors(out) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(out)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module._parameters.items() if p is not None]
+
+
+class FirstUseRecorder:
+    """Records parameters in order of first use during one forward pass."""
+
+    def __init__(self, model: nn.Module):
+        self.order: list[nn.Parameter] = []
+        self._seen: set[int] = set()
+        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules()
+                         if direct_params(m)]
+
+    def _pre(self, module, args):
+        for _, p in direct_params(module):
+            if id(p) not in self._seen and not isinstance(p, ShardedPlaceholder):
+                self._seen.add(id(p))
+                self.order.append(p)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class Stage3Hooks:
+    """Installs and runs the stage-3 module hooks. `chunks_of(module)` gives the chunks holding a
+    module's direct parameters (it changes if the engine re-packs chunks)."""
+
+    def __init__(self, model: nn.Module, cache, chunks_of, names: dict[int, str],
+                 shapes: dict[int, torch.Size], dtype: torch.dtype):
+        self.cache = cache
+        self.chunks_of = chunks_of
+        self.modules = [m for m in model.modules() if direct_params(m)]
+        self.real: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
+        self.placeholders: dict[nn.Module, list[tuple[str, ShardedPlaceholder]]] = {}
+        self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> modules that register it
+        for m in self.modules:
+            self.real[m] = direct_params(m)
+            self.placeholders[m] = [(n, ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)]))
+                                    for n, p in self.real[m]]
+            for _, p in self.real[m]:
+                self.owners.setdefault(id(p), []).append(m)
+            self._swap(m, self.placeholders[m])
+        self.held: dict[nn.Module, set[int]] = {}  # module -> ids of params whose grads are pending
+        self.in_backward = False
+        self._handles = []
+        for m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+
+    @staticmethod
+    def _swap(module: nn.Module, entries) -> None:
+        for n, t in entries:
+            module._parameters[n] = t
+
+    def _pre_forward(self, module, args):
+        for c in self.chunks_of(module):
+            self.cache.acquire(c)
+        self._swap(module, self.real[module])
+
+    def _post_forward(self, module, args, out):
+        self._swap(module, self.placeholders[module])
+        for c in self.chunks_of(module):
+            self.cache.release(c)
+        if torch.is_grad_enabled():
+            tensors = output_tensors(out)
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
+        return None
+
+    def _pre_backward(self, module) -> None:
+        self.in_backward = True
+        if module in self.held:
+            return
+        self.held[module] = {id(p) for _, p in self.real[module] if p.requires_grad}
+        # A module with no trainable parameter keeps its hold until the end of backward.
+        for c in self.chunks_of(module):
+            self.cache.acquire(c)
+
+    def grad_arrived(self, param: nn.Parameter) -> None:
+        for m in self.owners.get(id(param), ()):
+            pending = self.held.get(m)
+            if pending is None:
+                continue
+            pending.discard(id(param))
+            if not pending:
+                self._end_hold(m)
+
+    def _end_hold(self, module) -> None:
+        del self.held[module]
+        for c in self.chunks_of(module):
+            self.cache.release(c)
+
+    def end_backward(self) -> None:
+        for m in list(self.held):
+            self._end_hold(m)
+        self.in_backward = False
