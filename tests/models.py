@@ -59,3 +59,42 @@ def train(engine, data, rank, loss_fn=None):
 def max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), sorted(set(a) ^ set(b))
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+class Quirky(torch.nn.Module):
+    """Exercises what trips sharded engines: a module called twice per forward, a parameter that gets
+    no gradient, a frozen layer, modules registered in an order other than their first use, and a
+    parameter shared by two modules."""
+
+    def __init__(self, d=24, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = torch.nn.Linear(d, 4)  # registered first, used last
+        self.unused = torch.nn.Linear(d, d)  # never called: no gradient
+        self.frozen = torch.nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.inp = torch.nn.Linear(8, d)
+        self.block = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())
+        self.shared = torch.nn.Linear(d, d, bias=False)
+        self.also_shared = torch.nn.Linear(d, d, bias=False)
+        self.also_shared.weight = self.shared.weight
+
+    def forward(self, x, checkpoint=None):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):  # the same module twice
+            if checkpoint is None:
+                h = self.block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=checkpoint)
+        h = self.frozen(h) + self.shared(h)
+        h = torch.tanh(self.also_shared(h))
+        return self.head(h)
+
+
+def quirky_data(steps, world, accumulation=1, batch=3, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(steps, accumulation, world, batch, 8, generator=g)
+
+
+def quirky_loss(m, x):
+    return m(x).pow(2).mean()

@@ -1,10 +1,10 @@
 """The replicated-chunk cache (rCache): which stage-3 chunks are gathered at a given moment.
 
 A chunk in use by a running module (forward) or a module whose backward is pending is *pinned* and
-never evicted. When a new chunk must be gathered and the cache is full, the least recently used
-unpinned chunk is released (Belady replacement on a profiled order comes with the planner). If every
-cached chunk is pinned the cache grows past its capacity rather than deadlock, and `overflows`
-counts it.
+never evicted. When a new chunk must be gathered and the cache is full, an unpinned chunk is
+released: the one whose next use in the recorded sequence is farthest away (Belady's rule), or the
+least recently used one while the sequence is still being recorded. If every cached chunk is pinned
+the cache grows past its capacity rather than deadlock, and `overflows` counts it.
 
 Prefetch: the first training step records the sequence of chunk uses (forward then backward). Later
 steps follow that sequence with a cursor, and each use starts the all-gather of the next chunk in
@@ -13,6 +13,7 @@ departs from the recording re-synchronises the cursor; it never fails.
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 
 from .chunks import Chunk, ChunkState
@@ -30,6 +31,7 @@ class ChunkCache:
         self.pins: dict[int, int] = {}
         self.recording = False
         self.schedule: list[int] = []
+        self._positions: dict[int, list[int]] = {}  # chunk index -> its positions in the schedule
         self.chunks_by_index: dict[int, Chunk] = {}
         self.cursor = 0
         self.overflows = 0
@@ -37,6 +39,11 @@ class ChunkCache:
 
     def set_chunks(self, chunks: list[Chunk]) -> None:
         self.chunks_by_index = {c.index: c for c in chunks}
+
+    def restart_recording(self) -> None:
+        self.schedule.clear()
+        self._positions.clear()
+        self.recording = True
 
     # -- use -----------------------------------------------------------------------------------
     def acquire(self, chunk: Chunk) -> None:
@@ -80,7 +87,16 @@ class ChunkCache:
         self.peak = max(self.peak, len(self.cached))
 
     def _evictable(self):
-        return [i for i in self.cached if i not in self.pins]
+        """Unpinned cached chunks, best victim first."""
+        free = [i for i in self.cached if i not in self.pins]
+        if self.recording or not self.schedule:
+            return free  # LRU order
+        return sorted(free, key=self._next_use, reverse=True)
+
+    def _next_use(self, index: int) -> float:
+        pos = self._positions.get(index, ())
+        k = bisect.bisect_left(pos, self.cursor)
+        return pos[k] if k < len(pos) else float("inf")
 
     def _make_room(self, n: int) -> bool:
         if self.capacity is None:
@@ -102,8 +118,11 @@ class ChunkCache:
         if self.recording:
             if not self.schedule or self.schedule[-1] != index:
                 self.schedule.append(index)
+                self._positions.setdefault(index, []).append(len(self.schedule) - 1)
             return
         sched = self.schedule
+        if self.cursor and sched[self.cursor - 1] == index:
+            return  # another use of the current chunk (the schedule stores runs once)
         if self.cursor < len(sched) and sched[self.cursor] == index:
             self.cursor += 1
             return

@@ -120,7 +120,10 @@ class Chunk:
             self.master = self.shard if dtype == torch.float32 else full32[lo:hi].clone()
             self.master = nn.Parameter(self.master, requires_grad=True)
         del full32
-        self.pending = None  # async collective in flight on this chunk: (work, on_done)
+        # In-flight async collectives. Gathers and reductions are independent and can overlap (a
+        # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
+        self.gather_work = None
+        self.reduce_work = None
 
         # Gradients (trainable chunks only). Stages 0-1 keep the full gradient for the whole step;
         # stages 2-3 keep only the reduced shard, and the full gradient lives from the first
@@ -152,16 +155,15 @@ class Chunk:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
         assert self.state is ChunkState.SHARDED, self.state
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        work = comm.all_gather(self.full, self.shard, async_op=True)
-        self.pending = work
+        self.gather_work = comm.all_gather(self.full, self.shard, async_op=True)
         self.state = ChunkState.GATHERING
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""
         assert self.state is ChunkState.GATHERING, self.state
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
         self.state = ChunkState.GATHERED
         self.bind_params()
 
@@ -187,17 +189,17 @@ class Chunk:
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         if self.stage == 0:
-            self.pending = comm.all_reduce_sum(self.grad_full, async_op=True)
+            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True)
         else:
             lo, hi = self.shard_range
-            self.pending = comm.reduce_scatter_sum(self.grad_full[lo:hi], self.grad_full, async_op=True)
+            self.reduce_work = comm.reduce_scatter_sum(self.grad_full[lo:hi], self.grad_full, async_op=True)
 
     def stash_reduced(self) -> None:
         """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
         re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
         new buffer, reduced when backward ends."""
-        self.stash = (self.grad_full, self.pending)
-        self.grad_full, self.pending, self.reduced = None, None, False
+        self.stash = (self.grad_full, self.reduce_work)
+        self.grad_full, self.reduce_work, self.reduced = None, None, False
 
     def finish_reduce(self) -> None:
         """Wait for this backward pass's reductions and fold them into the kept gradient."""
@@ -207,9 +209,9 @@ class Chunk:
             self.stash = None
             if work is not None:
                 work.wait()
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
         if not self.reduced:  # stages 0-1 between accumulation boundaries: nothing was reduced
             return
         self.reduced = False

@@ -105,13 +105,14 @@ class Engine:
         value_of = {id(p): v for p, v in zip(order, values)}
         for trainable in (True, False):
             group = [p for p in order if p.requires_grad == trainable]
-            for idxs in pack([p.numel() for p in group], self.chunk_capacity):
+            for idxs in pack([self.shapes[id(p)].numel() for p in group], self.chunk_capacity):
                 slots, off = [], 0
                 for i in idxs:
                     p = group[i]
                     off = (off + 15) // 16 * 16 if slots else 0
-                    slots.append(Slot(p, self.names[id(p)], off, p.numel(), self.shapes[id(p)]))
-                    off += p.numel()
+                    numel = self.shapes[id(p)].numel()
+                    slots.append(Slot(p, self.names[id(p)], off, numel, self.shapes[id(p)]))
+                    off += numel
                 vals = [value_of[id(s.param)] for s in slots]
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                           dtype=self.dtype, device=self.device, trainable=trainable, values=vals,
@@ -219,7 +220,7 @@ class Engine:
         if self.cache.recording and self._micro_layout_final:
             self.cache.recording = False
         elif self.cache.recording:
-            self.cache.schedule.clear()
+            self.cache.restart_recording()
 
     def _grad_arrived(self, p: nn.Parameter) -> None:
         chunk, slot = self._slot_of[id(p)]
