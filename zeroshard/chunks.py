@@ -80,8 +80,10 @@ class Chunk:
     """One chunk: its storage for a given stage, and the moves between its states.
 
     Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
+    No chunk buffer is ever autograd-tracked: autograd sees only the parameters' views.
     """
 
+    @torch.no_grad()
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
                  dtype: torch.dtype, device: torch.device, trainable: bool, values: list[torch.Tensor],
                  comm=None):
@@ -191,8 +193,7 @@ class Chunk:
         if self.stage == 0:
             self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True)
         else:
-            lo, hi = self.shard_range
-            self.reduce_work = comm.reduce_scatter_sum(self.grad_full[lo:hi], self.grad_full, async_op=True)
+            self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True)
 
     def stash_reduced(self) -> None:
         """A gradient arrived after this chunk's reduction started (reentrant checkpointing that

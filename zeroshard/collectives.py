@@ -64,15 +64,14 @@ class Comm:
             return None
         return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
 
-    def reduce_scatter_sum(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-        """shard <- sum over ranks of full[rank*s:(rank+1)*s]. Counts len(full).
-
-        `shard` may alias its own slot of `full` (NCCL and gloo both accept that)."""
+    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False):
+        """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
+        (NCCL and gloo both accept an output that is the input's own slot.)"""
         self._count(full.numel())
         if self.world == 1:
-            if full.data_ptr() != shard.data_ptr():
-                shard.copy_(full)
             return None
+        s = full.numel() // self.world
+        shard = full[self.rank * s:(self.rank + 1) * s]
         return dist.reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):

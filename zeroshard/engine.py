@@ -145,6 +145,7 @@ class Engine:
         self._build_chunks(order, [full[id(p)] for p in order], broadcast=False)
         self.optim.attach(self.chunks)
 
+    @torch.no_grad()
     def _full_values(self) -> dict[int, torch.Tensor]:
         """Full fp32 value of every parameter (a collective; not counted as step traffic)."""
         out = {}

@@ -74,6 +74,7 @@ class ShardedOptimizer:
             raise RuntimeError("zeroshard: cannot re-pack chunks of an optimizer with several parameter "
                                "groups or existing state")
 
+    @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:
         """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it."""
         scale = self.scaler.scale if self.scaler else 1.0
