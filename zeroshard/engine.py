@@ -173,6 +173,8 @@ class Engine:
         args, kwargs = self._to_device((args, kwargs))
         recording = self._recorder is not None and self.module.training and torch.is_grad_enabled()
         self._micro_layout_final = self._layout_final
+        if self.hooks is not None:
+            self.hooks.close_open_forwards()
         out = self.module(*args, **kwargs)
         if recording:
             self._finish_recording()
@@ -307,7 +309,7 @@ class Engine:
             "control_collectives": self.comm.control_collectives,
             "model_state_bytes": sum(by_kind.values()),
             "model_state_bytes_by_kind": by_kind,
-            "num_params": sum(p.numel() for p in self.params),
+            "num_params": sum(s.numel() for s in self.shapes.values()),
             "num_chunks": len(self.chunks),
             "padded_elements": sum(c.padded_numel for c in self.chunks),
             "cache_peak_chunks": self.cache.peak,

@@ -112,6 +112,10 @@ class Stage3Hooks:
                 self.owners.setdefault(id(p), []).append(m)
             self._swap(m, self.placeholders[m])
         self.held: dict[nn.Module, set[int]] = {}  # module -> ids of params whose grads are pending
+        # Module calls whose forward started but has not ended. Non-reentrant checkpointing stops a
+        # recomputation early by raising inside the forward, so some never end: they are closed
+        # when backward ends (and an exception in a user's forward leaves some for the next call).
+        self.active: list[nn.Module] = []
         self.in_backward = False
         self._handles = []
         for m in self.modules:
@@ -127,16 +131,27 @@ class Stage3Hooks:
         for c in self.chunks_of(module):
             self.cache.acquire(c)
         self._swap(module, self.real[module])
+        self.active.append(module)
 
     def _post_forward(self, module, args, out):
-        self._swap(module, self.placeholders[module])
-        for c in self.chunks_of(module):
-            self.cache.release(c)
+        self._end_forward(module)
         if torch.is_grad_enabled():
             tensors = output_tensors(out)
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
         return None
+
+    def _end_forward(self, module) -> None:
+        i = len(self.active) - 1 - self.active[::-1].index(module)
+        del self.active[i]
+        if module not in self.active:
+            self._swap(module, self.placeholders[module])
+        for c in self.chunks_of(module):
+            self.cache.release(c)
+
+    def close_open_forwards(self) -> None:
+        while self.active:
+            self._end_forward(self.active[-1])
 
     def _pre_backward(self, module) -> None:
         self.in_backward = True
@@ -162,6 +177,7 @@ class Stage3Hooks:
             self.cache.release(c)
 
     def end_backward(self) -> None:
+        self.close_open_forwards()
         for m in list(self.held):
             self._end_hold(m)
         self.in_backward = False

@@ -1,0 +1,271 @@
+"""Every multi-process scenario, run inside one process group per world size.
+
+`run_all(rank, world, out_path)` runs each scenario on every rank and rank 0 writes a JSON dict
+{scenario name: figures}. A scenario that raises records {"error": "<Type>: <message>"} (on every
+rank alike: scenarios that raise do so before or at the same collective on all ranks).
+"""
+from __future__ import annotations
+
+import json
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from models import (Quirky, batches, make_adamw, make_sgd, max_diff, quirky_data, quirky_loss,
+                    reference, tiny_gpt2, train)
+
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def gpt2_case(rank, world, opt, stage, accumulation=1, clip=None, extra=None, steps=5, model=tiny_gpt2):
+    data = batches(steps, world, 2, accumulation)
+    ref, _, norms = reference(model(), data, opt, clip)
+    cfg = {"stage": stage, "chunk_size": 20000, "gradient_accumulation_steps": accumulation,
+           "clip_grad_norm": clip, **(extra or {})}
+    engine = zeroshard.initialize(model(), opt, cfg)
+    train(engine, data, rank)
+    out = {"diff": max_diff(engine.full_state_dict(), ref), **engine.stats()}
+    if clip is not None:
+        out["ref_norms"] = norms
+    return out
+
+
+def _add_gpt2_parity():
+    for opt in (make_adamw, make_sgd):
+        for mode, kw in (("plain", {}), ("accum2", {"accumulation": 2}), ("clip", {"clip": 0.5})):
+            for stage in range(4):
+                def fn(rank, world, opt=opt, stage=stage, kw=kw):
+                    return gpt2_case(rank, world, opt, stage, **kw)
+                SCENARIOS[f"gpt2_{opt.__name__[5:]}_{mode}_stage{stage}"] = fn
+
+
+_add_gpt2_parity()
+
+
+@scenario
+def gpt2_stage3_cache2(rank, world):
+    return gpt2_case(rank, world, make_sgd, 3, extra={"cache_chunks": 2})
+
+
+@scenario
+def ddp_adamw_accum2(rank, world):
+    """torch DDP on the same AdamW case: how far an exact-by-construction engine lands."""
+    data = batches(5, world, 2, 2)
+    ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
+    if world == 1:
+        return {"diff": None}
+    model = torch.nn.parallel.DistributedDataParallel(tiny_gpt2())
+    opt = make_adamw(list(model.parameters()))
+    for step in data:
+        for i, micro in enumerate(step):
+            x = micro[rank]
+            loss = model(input_ids=x, labels=x).loss / len(step)
+            if i < len(step) - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"diff": max_diff(model.module.state_dict(), ref)}
+
+
+def _add_quirky():
+    for ckpt in (None, False, True):
+        for stage in range(4):
+            for cache in (None, 1):
+                def fn(rank, world, ckpt=ckpt, stage=stage, cache=cache):
+                    data = quirky_data(3, world)
+                    loss = lambda m, x: m(x, checkpoint=ckpt).pow(2).mean()  # noqa: E731
+                    ref, _, _ = reference(Quirky(), data, make_sgd, loss_fn=loss)
+                    engine = zeroshard.initialize(Quirky(), make_sgd,
+                                                  {"stage": stage, "chunk_size": 600, "cache_chunks": cache})
+                    train(engine, data, rank, loss_fn=loss)
+                    return {"diff": max_diff(engine.full_state_dict(), ref),
+                            "first_chunk": [s.name for s in engine.chunks[0].slots]}
+                SCENARIOS[f"quirky_ckpt{ckpt}_stage{stage}_cache{cache}"] = fn
+
+
+_add_quirky()
+
+
+@scenario
+def hf_gradient_checkpointing_stage3(rank, world):
+    def model():
+        m = tiny_gpt2()
+        m.gradient_checkpointing_enable()
+        return m
+    return gpt2_case(rank, world, make_sgd, 3, extra={"cache_chunks": 2}, steps=3, model=model)
+
+
+@scenario
+def mlp_stage3_minimal_cache(rank, world):
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                     for _ in range(6)])
+    engine = zeroshard.initialize(mlp(), make_sgd, {"stage": 3, "chunk_size": 1100, "cache_chunks": 1})
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 32, generator=g)).pow(2).mean())
+        engine.step()
+    return engine.stats()
+
+
+@scenario
+def memory_bf16_adamw(rank, world):
+    out = {}
+    data = batches(2, world, 2)
+    for stage in range(4):
+        engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": stage, "precision": "bf16"})
+        train(engine, data, rank)
+        out[stage] = engine.stats()
+    return out
+
+
+def _add_precision():
+    for prec in ("bf16", "fp16"):
+        for stage in (0, 2, 3):
+            def fn(rank, world, prec=prec, stage=stage):
+                data = batches(5, world, 2)
+                ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
+                engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": stage, "precision": prec})
+                train(engine, data, rank)
+                sd = engine.full_state_dict()
+                d = torch.cat([(sd[k] - ref[k]).abs().flatten() for k in ref])
+                return {"max": d.max().item(), "mean": d.mean().item(), **engine.stats()}
+            SCENARIOS[f"precision_{prec}_stage{stage}"] = fn
+
+
+_add_precision()
+
+
+def _gather(obj, world):
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@scenario
+def fp16_overflow_skips_everywhere(rank, world):
+    """Huge initial scale: the first step overflows on every rank."""
+    x = batches(1, world, 2)[0, 0, rank]
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "precision": "fp16",
+                                                           "initial_loss_scale": 2.0**40})
+    before = engine.full_state_dict()
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    applied = engine.step()
+    return {"applied": _gather(applied, world), "scale": _gather(engine.stats()["loss_scale"], world),
+            "unchanged": max_diff(engine.full_state_dict(), before) == 0.0}
+
+
+@scenario
+def fp16_overflow_on_one_rank(rank, world):
+    """Only rank 0 produces an inf, in one parameter's gradient (so in one rank's shard at most):
+    every rank must skip, and a normal step must follow."""
+    data = batches(2, world, 2)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "precision": "fp16"})
+    applied = []
+    for i, step in enumerate(data):
+        x = step[0][rank]
+        loss = engine(input_ids=x, labels=x).loss
+        if i == 0 and rank == 0:
+            loss = loss + engine.module.transformer.ln_f.bias.sum() * 1e30
+        engine.backward(loss)
+        applied.append(engine.step())
+    return {"applied": _gather(applied, world), "scale": engine.stats()["loss_scale"]}
+
+
+def _add_diverge():
+    for stage in (2, 3):
+        def fn(rank, world, stage=stage):
+            engine = zeroshard.initialize(Quirky(), make_sgd, {"stage": stage, "chunk_size": 600})
+            x = quirky_data(1, world)[0, 0, rank]
+            engine.backward(quirky_loss(engine, x))
+            engine.step()
+            # Rank 0 alone now also runs a module the others skip.
+            out = engine(x)
+            if rank == 0:
+                out = out + engine.module.unused(torch.zeros(24)).sum()
+            engine.backward(out.pow(2).mean())
+            engine.step()
+            return {"error": None}
+        SCENARIOS[f"diverged_order_stage{stage}"] = fn
+
+
+_add_diverge()
+
+
+@scenario
+def param_read_outside_forward(rank, world):
+    engine = zeroshard.initialize(Quirky(), make_sgd, {"stage": 3, "chunk_size": 600})
+    x = quirky_data(1, world)[0, 0, rank]
+    out = engine(x)
+    loss = out.pow(2).mean() + engine.module.head.weight.pow(2).sum()
+    engine.backward(loss)
+    return {"error": None}
+
+
+@scenario
+def eval_no_grad_stage3(rank, world):
+    data = batches(3, world, 2)
+    ref_model = tiny_gpt2()
+    reference(ref_model, data, make_sgd)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 3, "cache_chunks": 2, "chunk_size": 20000})
+    train(engine, data, rank)
+    x = data[0, 0].reshape(-1, data.shape[-1])
+    engine.eval()
+    with torch.no_grad():
+        got = engine(input_ids=x, labels=x).loss.item()
+        want = ref_model(input_ids=x, labels=x).loss.item()
+    return {"diff": abs(got - want)}
+
+
+def _hf_model(kind):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "opt":
+        cfg = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                     num_attention_heads=4, max_position_embeddings=64, dropout=0.0,
+                                     attention_dropout=0.0, word_embed_proj_dim=32)
+        return transformers.OPTForCausalLM(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _add_hf():
+    for kind in ("opt", "llama"):
+        for stage in (2, 3):
+            def fn(rank, world, kind=kind, stage=stage):
+                return gpt2_case(rank, world, make_sgd, stage, steps=3, model=lambda: _hf_model(kind),
+                                 extra={"chunk_size": 5000, "cache_chunks": 2 if stage == 3 else None})
+            SCENARIOS[f"{kind}_stage{stage}"] = fn
+
+
+_add_hf()
+
+
+def run_all(rank, world, out_path, only=None):
+    results = {}
+    for name, fn in SCENARIOS.items():
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world)
+        except Exception as e:  # recorded; the test for this scenario decides
+            results[name] = {"error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc(limit=-3)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, default=str)
