@@ -73,7 +73,6 @@ class ChunkCache:
         for c in list(self.cached.values()):
             c.release()
         self.cached.clear()
-        self.cursor = 0
 
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:

@@ -175,6 +175,7 @@ class Engine:
         self._micro_layout_final = self._layout_final
         if self.hooks is not None:
             self.hooks.close_open_forwards()
+            self.cache.cursor = 0  # every forward (micro-batch or evaluation) replays the schedule
         out = self.module(*args, **kwargs)
         if recording:
             self._finish_recording()

@@ -1,0 +1,173 @@
+"""Single-process tests of the pure pieces: config validation, chunk packing, the cache's
+replacement and prefetch decisions, and a world of one process without torchrun."""
+import json
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard.cache import ChunkCache
+from zeroshard.chunks import ALIGN, Chunk, ChunkState, Slot, auto_chunk_size, pack
+from zeroshard.collectives import Comm
+from zeroshard.config import Config, load_config
+
+
+# -- config ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value,valid", [
+    ("stage", 4, "0, 1, 2 or 3"), ("stage", True, "0, 1, 2 or 3"), ("precision", "fp8", "'bf16'"),
+    ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),
+    ("chunk_size", "big", "'auto'"), ("cache_chunks", 0, ">= 1"), ("prefetch", 1, "true or false"),
+])
+def test_bad_config_value_names_key_and_valid_values(key, value, valid):
+    with pytest.raises(ValueError) as e:
+        load_config({key: value})
+    assert key in str(e.value) and valid in str(e.value)
+
+
+def test_unknown_config_key_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['stagee'\].*'stage'"):
+        load_config({"stagee": 3})
+
+
+def test_config_from_json_and_toml(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"stage": 3, "precision": "bf16"}))
+    (tmp_path / "c.toml").write_text('stage = 1\nclip_grad_norm = 1.0\nchunk_size = 4096\n')
+    assert load_config(str(tmp_path / "c.json")) == Config(stage=3, precision="bf16")
+    assert load_config(tmp_path / "c.toml") == Config(stage=1, clip_grad_norm=1.0, chunk_size=4096)
+    with pytest.raises(ValueError, match="json or .toml"):
+        load_config(str(tmp_path / "c.yaml"))
+
+
+# -- packing ----------------------------------------------------------------------------------------
+def test_pack_keeps_order_and_never_straddles():
+    sizes = [10, 20, 5, 40, 1, 100, 3]
+    chunks = pack(sizes, capacity=48)
+    assert [i for c in chunks for i in c] == list(range(len(sizes)))  # order of first use kept
+    for c in chunks:
+        used, off = 0, 0
+        for j, i in enumerate(c):
+            off = (used + ALIGN - 1) // ALIGN * ALIGN if j else 0
+            used = off + sizes[i]
+        assert used <= 48 or len(c) == 1  # only a parameter larger than capacity overflows, alone
+    assert [5] in chunks  # the 100-element parameter sits alone
+
+
+def test_auto_chunk_size_holds_largest_param():
+    assert auto_chunk_size([10, 1000, 20]) >= 1000
+    assert auto_chunk_size([1 << 20] * 64) == 1 << 23  # an eighth of the model
+
+
+def _chunk(stage, rank, world, numels=(5, 7, 3), dtype=torch.float32):
+    params = [torch.nn.Parameter(torch.arange(n, dtype=torch.float32) + 10 * i) for i, n in enumerate(numels)]
+    slots, off = [], 0
+    for i, p in enumerate(params):
+        off = (off + ALIGN - 1) // ALIGN * ALIGN if slots else 0
+        slots.append(Slot(p, f"p{i}", off, p.numel(), p.shape))
+        off += p.numel()
+    return Chunk(0, slots, stage=stage, rank=rank, world=world, dtype=dtype, device=torch.device("cpu"),
+                 trainable=True, values=[p.detach().clone() for p in params]), params
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_chunk_shards_cover_padded_chunk(world):
+    """Shards of all ranks tile the padded chunk exactly; padding is zero and under world*ALIGN."""
+    pieces = []
+    for rank in range(world):
+        c, params = _chunk(stage=3, rank=rank, world=world)
+        assert c.state is ChunkState.SHARDED and c.padded_numel % world == 0
+        assert c.padded_numel - c.numel < world * ALIGN
+        pieces.append(c.shard)
+    full = torch.cat(pieces)
+    for s, p in zip(c.slots, params):
+        assert torch.equal(full[s.offset:s.offset + s.numel], p.detach())
+    assert full[c.numel:].abs().sum() == 0
+
+
+def test_chunk_stage12_params_are_views_and_fp32_master_aliases_storage():
+    c, params = _chunk(stage=2, rank=1, world=2)
+    assert params[1].data_ptr() == c.full[c.slots[1].offset:].data_ptr()
+    lo, _ = c.owned_range
+    assert c.master.data_ptr() == c.full[lo:].data_ptr()  # fp32: no separate master copy
+    c16, _ = _chunk(stage=2, rank=0, world=2, dtype=torch.bfloat16)
+    assert c16.master.dtype == torch.float32 and c16.state_bytes()["master"] == c16.shard_numel * 4
+
+
+# -- cache ----------------------------------------------------------------------------------------
+class _FakeChunk:
+    def __init__(self, i):
+        self.index, self.state, self.gathers = i, ChunkState.SHARDED, 0
+
+    def start_gather(self, comm):
+        self.state, self.gathers = ChunkState.GATHERING, self.gathers + 1
+
+    def finish_gather(self):
+        self.state = ChunkState.GATHERED
+
+    def release(self):
+        self.state = ChunkState.SHARDED
+
+
+def _use(cache, chunks, seq):
+    for i in seq:
+        cache.acquire(chunks[i])
+        cache.release(chunks[i])
+
+
+def test_cache_belady_keeps_chunk_needed_soonest():
+    """Sequence 0 1 2 0 | 2 1 0 with two slots: after recording, Belady keeps chunk 0 (used again
+    soon) where LRU would evict it; every gather is counted."""
+    seq = [0, 1, 2, 0, 2, 1, 0]
+    comm = Comm(torch.device("cpu"))
+    chunks = {i: _FakeChunk(i) for i in range(3)}
+    cache = ChunkCache(comm, capacity=2, prefetch=False, check_order=False)
+    cache.set_chunks(list(chunks.values()))
+    cache.recording = True
+    _use(cache, chunks, seq)  # LRU while recording
+    lru = sum(c.gathers for c in chunks.values())
+    cache.flush()
+    cache.recording = False
+    for c in chunks.values():
+        c.gathers = 0
+    _use(cache, chunks, seq)
+    belady = sum(c.gathers for c in chunks.values())
+    assert (lru, belady) == (6, 4)
+
+
+def test_cache_prefetches_next_recorded_chunk_and_never_evicts_pinned():
+    comm = Comm(torch.device("cpu"))
+    chunks = {i: _FakeChunk(i) for i in range(3)}
+    cache = ChunkCache(comm, capacity=2, prefetch=True, check_order=False)
+    cache.set_chunks(list(chunks.values()))
+    cache.recording = True
+    _use(cache, chunks, [0, 1, 2])
+    cache.flush()
+    cache.recording = False
+    cache.acquire(chunks[0])
+    assert chunks[1].state is ChunkState.GATHERING  # prefetched while 0 is in use
+    cache.acquire(chunks[1])  # 0 and 1 pinned, cache full: no prefetch of 2, no eviction
+    assert chunks[2].state is ChunkState.SHARDED and chunks[0].state is ChunkState.GATHERED
+    cache.acquire(chunks[2])  # must gather anyway: over capacity, counted
+    assert cache.overflows == 1
+
+
+# -- a world of one process, no torchrun environment ---------------------------------------------------
+def test_single_process_without_torchrun(monkeypatch):
+    from models import batches, make_sgd, max_diff, reference, tiny_gpt2, train
+    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    data = batches(3, 1, 2)
+    ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, Config(stage=3, cache_chunks=2))
+    train(engine, data, 0)
+    assert engine.stats()["world_size"] == 1 and engine.stats()["comm_elements"] == 0
+    assert max_diff(engine.full_state_dict(), ref) <= 1e-6
+
+
+def test_bad_optimizer_argument():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="callable"):  # an optimizer instance, the usual mistake
+        zeroshard.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="torch.optim.Optimizer"):
+        zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=lambda ps: ps)
+    engine = zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=torch.optim.SGD)  # a class works
+    assert isinstance(engine.optimizer, torch.optim.SGD)
