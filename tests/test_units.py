@@ -42,14 +42,14 @@ def test_config_from_json_and_toml(tmp_path):
 def test_pack_keeps_order_and_never_straddles():
     sizes = [10, 20, 5, 40, 1, 100, 3]
     chunks = pack(sizes, capacity=48)
-    assert [i for c in chunks for i in c] == list(range(len(sizes)))  # order of first use kept
+    assert [i for c in chunks for i, _ in c] == list(range(len(sizes)))  # order of first use kept
     for c in chunks:
-        used, off = 0, 0
-        for j, i in enumerate(c):
-            off = (used + ALIGN - 1) // ALIGN * ALIGN if j else 0
-            used = off + sizes[i]
-        assert used <= 48 or len(c) == 1  # only a parameter larger than capacity overflows, alone
-    assert [5] in chunks  # the 100-element parameter sits alone
+        offsets = [off for _, off in c]
+        assert offsets[0] == 0 and all(o % ALIGN == 0 for o in offsets)
+        ends = [off + sizes[i] for i, off in c]
+        assert all(e <= o for e, o in zip(ends, offsets[1:]))  # no overlap
+        assert ends[-1] <= 48 or len(c) == 1  # only a parameter larger than capacity overflows, alone
+    assert [(5, 0)] in chunks  # the 100-element parameter sits alone
 
 
 def test_auto_chunk_size_holds_largest_param():
@@ -59,11 +59,8 @@ def test_auto_chunk_size_holds_largest_param():
 
 def _chunk(stage, rank, world, numels=(5, 7, 3), dtype=torch.float32):
     params = [torch.nn.Parameter(torch.arange(n, dtype=torch.float32) + 10 * i) for i, n in enumerate(numels)]
-    slots, off = [], 0
-    for i, p in enumerate(params):
-        off = (off + ALIGN - 1) // ALIGN * ALIGN if slots else 0
-        slots.append(Slot(p, f"p{i}", off, p.numel(), p.shape))
-        off += p.numel()
+    (placed,) = pack(list(numels), capacity=1000)
+    slots = [Slot(params[i], f"p{i}", off, params[i].numel(), params[i].shape) for i, off in placed]
     return Chunk(0, slots, stage=stage, rank=rank, world=world, dtype=dtype, device=torch.device("cpu"),
                  trainable=True, values=[p.detach().clone() for p in params]), params
 

@@ -31,22 +31,23 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def pack(numels: list[int], capacity: int) -> list[list[int]]:
+def pack(numels: list[int], capacity: int) -> list[list[tuple[int, int]]]:
     """Assign parameters (given by size, in order of first use) to chunks.
 
     Next-fit in order: a parameter joins the current chunk if it fits in `capacity` elements
     (offsets aligned to ALIGN), else opens a new one; a parameter never straddles two chunks, and one
-    larger than `capacity` gets a chunk of its own. Returns, per chunk, the indices into `numels`.
+    larger than `capacity` gets a chunk of its own. Returns, per chunk, (index into `numels`, offset
+    in elements) of each parameter in it.
     """
-    chunks: list[list[int]] = []
-    used = capacity + 1  # forces a first chunk
+    chunks: list[list[tuple[int, int]]] = []
+    used = 0
     for i, n in enumerate(numels):
         start = _round_up(used, ALIGN)
         if not chunks or start + n > capacity:
-            chunks.append([i])
+            chunks.append([(i, 0)])
             used = n
         else:
-            chunks[-1].append(i)
+            chunks[-1].append((i, start))
             used = start + n
     return chunks
 

@@ -105,14 +105,9 @@ class Engine:
         value_of = {id(p): v for p, v in zip(order, values)}
         for trainable in (True, False):
             group = [p for p in order if p.requires_grad == trainable]
-            for idxs in pack([self.shapes[id(p)].numel() for p in group], self.chunk_capacity):
-                slots, off = [], 0
-                for i in idxs:
-                    p = group[i]
-                    off = (off + 15) // 16 * 16 if slots else 0
-                    numel = self.shapes[id(p)].numel()
-                    slots.append(Slot(p, self.names[id(p)], off, numel, self.shapes[id(p)]))
-                    off += numel
+            for placed in pack([self.shapes[id(p)].numel() for p in group], self.chunk_capacity):
+                slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
+                              self.shapes[id(group[i])]) for i, off in placed]
                 vals = [value_of[id(s.param)] for s in slots]
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                           dtype=self.dtype, device=self.device, trainable=trainable, values=vals,
