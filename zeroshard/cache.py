@@ -17,8 +17,7 @@ import bisect
 from collections import OrderedDict
 
 from .chunks import Chunk, ChunkState
-
-GATHER = 1  # tag kind for order checks
+from .collectives import GATHER, order_tag
 
 
 class ChunkCache:
@@ -78,7 +77,7 @@ class ChunkCache:
     def _gather(self, chunk: Chunk) -> None:
         self._make_room(1)
         if self.check_order:
-            self.comm.check_order(GATHER << 32 | chunk.index, describe_tag)
+            self.comm.check_order(order_tag(GATHER, chunk.index))
         chunk.start_gather(self.comm)
         self.cached[chunk.index] = chunk
         if len(self.cached) > (self.capacity or len(self.cached)):
@@ -143,12 +142,8 @@ class ChunkCache:
         nxt = self.chunks_by_index[sched[j]]
         if self._make_room(1):
             if self.check_order:
-                self.comm.check_order(GATHER << 32 | nxt.index, describe_tag)
+                self.comm.check_order(order_tag(GATHER, nxt.index))
             nxt.start_gather(self.comm)
             self.cached[nxt.index] = nxt
             self.peak = max(self.peak, len(self.cached))
 
-
-def describe_tag(tag: int) -> str:
-    kind, index = tag >> 32, tag & 0xFFFFFFFF
-    return {GATHER: "gather", 2: "reduce the gradients of"}.get(kind, f"op {kind} on") + f" chunk {index}"

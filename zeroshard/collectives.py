@@ -18,6 +18,19 @@ import torch
 import torch.distributed as dist
 
 
+# Order-check tags: (kind << 32) | chunk index, for the collectives that module hooks drive.
+GATHER, REDUCE = 1, 2
+
+
+def order_tag(kind: int, chunk_index: int) -> int:
+    return kind << 32 | chunk_index
+
+
+def describe_tag(tag: int) -> str:
+    kind, index = tag >> 32, tag & 0xFFFFFFFF
+    return {GATHER: "gather", REDUCE: "reduce the gradients of"}.get(kind, f"op {kind} on") + f" chunk {index}"
+
+
 class DivergedError(RuntimeError):
     """Ranks were about to issue different collectives: their call order diverged."""
 
@@ -94,11 +107,10 @@ class Comm:
             dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
         return t
 
-    def check_order(self, tag: int, describe) -> None:
-        """Raise DivergedError on every rank unless every rank passes the same `tag`.
+    def check_order(self, tag: int) -> None:
+        """Raise DivergedError on every rank unless every rank passes the same `tag` (see order_tag).
 
-        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min.
-        `describe(tag)` names a tag in the error message."""
+        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min."""
         if self.world == 1:
             return
         if self._order_check_buf is None:
@@ -110,8 +122,8 @@ class Comm:
         hi, lo = int(buf[0]), -int(buf[1])
         if hi != lo:
             raise DivergedError(
-                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe(tag)}, but another "
-                f"rank is about to {describe(hi if hi != tag else lo)}. Every rank must call the same "
+                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but another "
+                f"rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must call the same "
                 "modules in the same order (data-dependent control flow that differs between ranks is "
                 "not supported at this stage)."
             )

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from .cache import ChunkCache
 from .chunks import Chunk, ChunkState, Slot, auto_chunk_size, pack
-from .collectives import Comm, init_process_group
+from .collectives import REDUCE, Comm, init_process_group, order_tag
 from .config import Config
 from .hooks import FirstUseRecorder, Stage3Hooks, direct_params
 from .optimizer import LossScaler, ShardedOptimizer
@@ -30,7 +30,6 @@ from .optimizer import LossScaler, ShardedOptimizer
 log = logging.getLogger("zeroshard")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-REDUCE = 2  # tag kind for order checks
 
 
 def default_device() -> torch.device:
@@ -235,7 +234,7 @@ class Engine:
 
     def _start_reduce(self, chunk: Chunk) -> None:
         if self.config.check_order:
-            self.comm.check_order(REDUCE << 32 | chunk.index, _describe)
+            self.comm.check_order(order_tag(REDUCE, chunk.index))
         chunk.start_reduce(self.comm)
 
     def _flush_reductions(self) -> None:
@@ -331,7 +330,3 @@ def direct_params_real(engine: Engine, module: nn.Module):
         return engine.hooks.real[module]
     return direct_params(module)
 
-
-def _describe(tag: int) -> str:
-    from .cache import describe_tag
-    return describe_tag(tag)
