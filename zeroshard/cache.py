@@ -75,13 +75,16 @@ class ChunkCache:
 
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:
-        self._make_room(1)
+        """Gather on demand: make room if possible, else go over capacity (counted)."""
+        if not self._make_room(1):
+            self.overflows += 1
+        self._start_gather(chunk)
+
+    def _start_gather(self, chunk: Chunk) -> None:
         if self.check_order:
             self.comm.check_order(order_tag(GATHER, chunk.index))
         chunk.start_gather(self.comm)
         self.cached[chunk.index] = chunk
-        if len(self.cached) > (self.capacity or len(self.cached)):
-            self.overflows += 1
         self.peak = max(self.peak, len(self.cached))
 
     def _evictable(self):
@@ -137,13 +140,5 @@ class ChunkCache:
         j = self.cursor
         if j >= len(sched) or sched[j] in self.cached:
             return
-        if self.capacity is not None and len(self.cached) >= self.capacity and not self._evictable():
-            return
-        nxt = self.chunks_by_index[sched[j]]
-        if self._make_room(1):
-            if self.check_order:
-                self.comm.check_order(order_tag(GATHER, nxt.index))
-            nxt.start_gather(self.comm)
-            self.cached[nxt.index] = nxt
-            self.peak = max(self.peak, len(self.cached))
-
+        if self._make_room(1):  # a prefetch never goes over capacity
+            self._start_gather(self.chunks_by_index[sched[j]])
