@@ -54,20 +54,21 @@ def main(argv=None):
         print(f"zeroshard demo: GPT-2 {n_params / 1e6:.2f}M parameters, stage {args.stage}, {args.precision}, "
               f"{world} process(es) on {engine.device}, {args.batch}x{args.seq} tokens per rank per step",
               flush=True)
-    t0, tokens, loss_sum = time.perf_counter(), 0, torch.zeros(1)
+    t0, tokens, loss_sum, since_log = time.perf_counter(), 0, torch.zeros(1), 0
     for step in range(1, args.steps + 1):
         x = motif_batch(gen, args.batch, args.seq, vocab)
         loss = engine(input_ids=x, labels=x).loss
         engine.backward(loss)
         engine.step()
         loss_sum += loss.detach().float()
+        since_log += 1
         tokens += x.numel() * world
         if step % args.log_every == 0 or step == args.steps:
             if world > 1:
                 dist.all_reduce(loss_sum)
-            mean_loss = loss_sum.item() / (world * (args.log_every if step % args.log_every == 0
-                                                    else step % args.log_every))
+            mean_loss = loss_sum.item() / (world * since_log)
             loss_sum.zero_()
+            since_log = 0
             s = engine.stats()
             mib = [s["model_state_bytes"] / 2**20]
             if world > 1:
