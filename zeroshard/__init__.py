@@ -15,10 +15,11 @@ import torch
 
 from .collectives import DivergedError
 from .config import Config, load_config
+from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
 
-__all__ = ["Config", "Engine", "initialize", "DivergedError", "ShardedParameterError"]
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "DivergedError", "ShardedParameterError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
@@ -26,7 +27,7 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
     """Wrap `model` for ZeRO data-parallel training.
 
     optimizer: a callable taking the list of flat fp32 master tensors this rank owns and returning a
-        torch.optim.Optimizer; None gives AdamW(lr=1e-3).
+        torch.optim.Optimizer; None gives AdamW(lr=1e-3) (zeroshard.CPUAdamW with offload_optimizer).
     config: a `Config`, a dict of its fields, or a path to a .json/.toml file with them.
     device: where compute runs; default cuda:LOCAL_RANK when CUDA is available, else the CPU.
     The process group comes from torchrun's environment (gloo on CPU, NCCL on CUDA); without it the

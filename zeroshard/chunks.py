@@ -13,6 +13,9 @@ Vocabulary (used in names, logs and errors throughout zeroshard):
 - grad full / grad shard: gradients of the whole chunk in compute dtype, and this rank's reduced
   slice of them.
 
+- placement: whether the master + optimizer states, and (stage 3) the shard, live on the host
+  (offload.py); with the optimizer on the host the reduced gradient is moved there too.
+
 Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from .offload import Placement, Transfer
 
 ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
 
@@ -87,13 +92,15 @@ class Chunk:
     @torch.no_grad()
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
                  dtype: torch.dtype, device: torch.device, trainable: bool, values: list[torch.Tensor],
-                 comm=None):
+                 comm=None, placement: Placement = Placement(), transfer: Transfer | None = None):
         self.index = index
         self.slots = slots
         self.stage = stage
         self.trainable = trainable
         self.dtype = dtype
         self.device = device
+        self.placement = placement
+        self.transfer = transfer or Transfer(device)
         self.numel = slots[-1].offset + slots[-1].numel
         self.padded_numel = _round_up(self.numel, world * ALIGN)
         self.shard_numel = self.padded_numel // world
@@ -111,17 +118,26 @@ class Chunk:
         lo, hi = self.owned_range
         if stage == 3:
             self.full = None
-            self.shard = full32[lo:hi].to(dtype).clone()
+            shard = full32[lo:hi].to(dtype)
+            self.shard = self.transfer.host_copy_of(shard) if placement.params_on_host else shard.clone()
             self.state = ChunkState.SHARDED
         else:
             self.full = full32 if dtype == torch.float32 else full32.to(dtype)
             self.shard = self.full[lo:hi]
             self.state = ChunkState.GATHERED
         self.master = None
+        # fp32 training with master and shard on the same side: the optimizer updates the compute
+        # storage itself; otherwise the master is an fp32 copy on the optimizer's side.
+        self.master_is_shard = dtype == torch.float32 and (
+            placement.optimizer_on_host == (stage == 3 and placement.params_on_host))
         if trainable:
-            # fp32 training: the optimizer updates the compute storage itself.
-            self.master = self.shard if dtype == torch.float32 else full32[lo:hi].clone()
-            self.master = nn.Parameter(self.master, requires_grad=True)
+            if self.master_is_shard:
+                master = self.shard
+            elif placement.optimizer_on_host:
+                master = self.transfer.host_copy_of(full32[lo:hi])
+            else:
+                master = full32[lo:hi].clone()
+            self.master = nn.Parameter(master, requires_grad=True)
         del full32
         # In-flight async collectives. Gathers and reductions are independent and can overlap (a
         # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
@@ -139,6 +155,10 @@ class Chunk:
         self.reduced = False  # a reduction of this backward pass's gradient has started
         self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
         self.expected_grads = sum(1 for s in slots if s.param.requires_grad)
+        # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
+        # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
+        self.host_grad = None
+        self.grad_in_flight = None
         if stage != 3:
             self.bind_params()
 
@@ -158,7 +178,11 @@ class Chunk:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
         assert self.state is ChunkState.SHARDED, self.state
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
-        self.gather_work = comm.all_gather(self.full, self.shard, async_op=True)
+        shard = self.shard
+        if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
+            lo, hi = self.shard_range
+            shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
+        self.gather_work = comm.all_gather(self.full, shard, async_op=True)
         self.state = ChunkState.GATHERING
 
     def finish_gather(self) -> None:
@@ -222,25 +246,50 @@ class Chunk:
             if stashed is not None:
                 stashed[lo:hi].add_(self.grad_full[lo:hi])
                 self.grad_full = stashed
+            if self.placement.optimizer_on_host:  # stages 0-1 reduce once per step
+                self._send_grad(self.grad_full[lo:hi])
             return
         # Stages 2-3 keep only the reduced slice, accumulated over micro-batches.
         reduced = self.grad_full[lo:hi]
         if stashed is not None:
             reduced = reduced + stashed[lo:hi]
-        if self.grad_shard is None:
+        if self.placement.optimizer_on_host:
+            self._send_grad(reduced)
+        elif self.grad_shard is None:
             self.grad_shard = reduced.clone()
         else:
             self.grad_shard.add_(reduced)
         self.grad_full = None
 
+    def _send_grad(self, reduced: torch.Tensor) -> None:
+        """Start moving a reduced gradient to the host; the previous one is folded in first, so at
+        most one copy per chunk is in flight."""
+        self._fold_host_grad()
+        self.grad_in_flight = self.transfer.to_host(reduced)
+
+    def _fold_host_grad(self) -> None:
+        if self.grad_in_flight is None:
+            return
+        arrived = self.grad_in_flight.wait()
+        self.grad_in_flight = None
+        if self.host_grad is None:
+            self.host_grad = arrived
+        else:
+            self.host_grad.add_(arrived)
+
     def owned_grad(self) -> torch.Tensor | None:
-        """The reduced gradient of the owned range (compute dtype), or None before any backward."""
+        """The reduced gradient of the owned range (compute dtype), or None before any backward.
+        With the optimizer on the host it is a host tensor."""
+        if self.placement.optimizer_on_host:
+            self._fold_host_grad()
+            return self.host_grad
         if self.stage >= 2:
             return self.grad_shard
         lo, hi = self.owned_range
         return self.grad_full[lo:hi]
 
     def zero_grad(self) -> None:
+        self.host_grad = None
         if self.stage <= 1:
             self.grad_full.zero_()
         else:
@@ -249,15 +298,17 @@ class Chunk:
         self.grads_seen = 0
 
     # -- accounting ----------------------------------------------------------------------------
-    def state_bytes(self) -> dict[str, int]:
-        """Persistent bytes this chunk holds on this rank, by kind (the optimizer's own states are
-        counted by the engine)."""
+    def state_bytes(self) -> list[tuple[str, bool, int]]:
+        """Persistent bytes this chunk holds on this rank, as (kind, on host, bytes) with kind
+        'params', 'grads' or 'master' (the optimizer's own states are counted by the engine)."""
         el = torch.tensor([], dtype=self.dtype).element_size()
-        params = (self.shard_numel if self.stage == 3 else self.padded_numel) * el
-        grads = 0
+        out = [("params", self.stage == 3 and self.placement.params_on_host,
+                (self.shard_numel if self.stage == 3 else self.padded_numel) * el)]
         if self.trainable:
-            grads = (self.padded_numel if self.stage <= 1 else self.shard_numel) * el
-        master = 0
-        if self.master is not None and self.dtype != torch.float32:
-            master = self.master.numel() * 4
-        return {"params": params, "grads": grads, "master": master}
+            if self.stage <= 1:  # the full gradient stays on the device for accumulation
+                out.append(("grads", False, self.padded_numel * el))
+            if self.stage >= 2 or self.placement.optimizer_on_host:
+                out.append(("grads", self.placement.optimizer_on_host, self.shard_numel * el))
+        if self.master is not None and not self.master_is_shard:
+            out.append(("master", self.placement.optimizer_on_host, self.master.numel() * 4))
+        return out

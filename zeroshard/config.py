@@ -35,6 +35,13 @@ class Config:
         Costs one tiny collective per chunk operation.
     initial_loss_scale / loss_scale_window: fp16 dynamic loss scaling: the starting scale, and how
         many overflow-free steps before the scale doubles. Each overflow halves it.
+    offload_optimizer: ZeRO-Offload (stages 1-3): every chunk's fp32 master and optimizer states
+        live in host memory and the optimizer step runs on the CPU; reduced gradients are moved to
+        the host during backward and updated parameters back to the device.
+    offload_params: stage 3 only: the 16-bit parameter shards also live in host memory and are
+        uploaded when their chunk is gathered, so the device holds only what the rCache holds.
+    offload_activations: tensors saved for backward (with activation checkpointing: the
+        checkpoints) are kept in host memory between forward and backward (ZeRO-R's P_a+cpu).
     """
 
     stage: int = 2
@@ -47,6 +54,9 @@ class Config:
     check_order: bool = True
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_activations: bool = False
 
     def __post_init__(self):
         def bad(key, valid):
@@ -71,7 +81,7 @@ class Config:
             bad("chunk_size", "'auto' or an integer >= 1 (elements)")
         if self.cache_chunks is not None and (not is_int(self.cache_chunks) or self.cache_chunks < 1):
             bad("cache_chunks", "an integer >= 1, or None for unlimited")
-        for key in ("prefetch", "check_order"):
+        for key in ("prefetch", "check_order", "offload_optimizer", "offload_params", "offload_activations"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")
         if isinstance(self.initial_loss_scale, bool) or not isinstance(self.initial_loss_scale, (int, float)) \
@@ -79,6 +89,13 @@ class Config:
             bad("initial_loss_scale", "a number > 0")
         if not is_int(self.loss_scale_window) or self.loss_scale_window < 1:
             bad("loss_scale_window", "an integer >= 1")
+
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError("zeroshard config: offload_optimizer=True needs stage >= 1 (stage 0 keeps a "
+                             "whole optimizer on every rank; stage 1 shards it, then offloads each shard)")
+        if self.offload_params and self.stage != 3:
+            raise ValueError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
+                             "only stage 3 keeps parameters sharded between uses")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -14,6 +14,7 @@ rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 
@@ -24,8 +25,9 @@ from .cache import ChunkCache
 from .chunks import Chunk, ChunkState, Slot, auto_chunk_size, pack
 from .collectives import REDUCE, Comm, init_process_group, order_tag
 from .config import Config
-from .hooks import FirstUseRecorder, Stage3Hooks, direct_params
-from .optimizer import LossScaler, ShardedOptimizer
+from .hooks import ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
+from .offload import ActivationOffload, Pending, Placement, Transfer
+from .optimizer import LossScaler, ShardedOptimizer, default_optimizer
 
 log = logging.getLogger("zeroshard")
 
@@ -48,6 +50,9 @@ class Engine:
             torch.cuda.set_device(self.device)
         init_process_group(self.device)
         self.comm = Comm(self.device)
+        self.transfer = Transfer(self.device)
+        self.placement = Placement(optimizer_on_host=config.offload_optimizer,
+                                   params_on_host=config.offload_params)
         self.module = module
         self.dtype = DTYPES[config.precision]
         self.stage = config.stage
@@ -75,6 +80,8 @@ class Engine:
         self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch, config.check_order)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) \
             if config.precision == "fp16" else None
+        if make_opt is None:
+            make_opt = default_optimizer(host=config.offload_optimizer)
         self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler)
@@ -92,6 +99,9 @@ class Engine:
         # differs from module order. The prefetch schedule is recorded over the first micro-batch
         # that runs entirely on the final packing.
         self._recorder = FirstUseRecorder(module)
+        self._act_offload = ActivationOffload(self.transfer, self._is_chunk_storage) \
+            if config.offload_activations else None
+        self._reducing = collections.deque()  # stages 2-3: chunks whose reduction is in flight
         self._layout_final = False
         self.cache.recording = True
         self._micro_layout_final = False
@@ -110,7 +120,8 @@ class Engine:
                 vals = [value_of[id(s.param)] for s in slots]
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                           dtype=self.dtype, device=self.device, trainable=trainable, values=vals,
-                          comm=self.comm if broadcast else None)
+                          comm=self.comm if broadcast else None, placement=self.placement,
+                          transfer=self.transfer)
                 chunks.append(c)
                 for s in slots:
                     self._slot_of[id(s.param)] = (c, s)
@@ -150,6 +161,7 @@ class Engine:
                     src, lo, hi = c.master.detach(), *c.owned_range
                 else:
                     src, (lo, hi) = c.shard, c.owned_range
+                src = src.to(self.device)  # an offloaded shard: the collective runs on the device
                 if (lo, hi) == (0, c.padded_numel):
                     full = src.float()
                 else:
@@ -170,7 +182,11 @@ class Engine:
         if self.hooks is not None:
             self.hooks.close_open_forwards()
             self.cache.cursor = 0  # every forward (micro-batch or evaluation) replays the schedule
-        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and (self.hooks is not None or self._act_offload is not None):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+                out = self.module(*args, **kwargs)
+        else:
+            out = self.module(*args, **kwargs)
         if recording:
             self._finish_recording()
         return out
@@ -188,6 +204,30 @@ class Engine:
         if [id(p) for p in want] != [id(p) for p in current]:
             self._repack(order)
         self._layout_final = True
+
+    # -- tensors saved for backward: stage-3 chunk views by reference, activations to the host --
+    def _pack_saved(self, t: torch.Tensor):
+        # Not in the forward that may re-pack chunks (the first): references would name old chunks.
+        if self.hooks is not None and self._micro_layout_final:
+            ref = self.hooks.pack_chunk_view(t)
+            if ref is not None:
+                return ref
+        if self._act_offload is not None:
+            return self._act_offload.pack(t)
+        return t
+
+    def _unpack_saved(self, packed):
+        if isinstance(packed, ChunkView):
+            return self.hooks.unpack_chunk_view(packed)
+        if isinstance(packed, Pending):
+            return self._act_offload.unpack(packed)
+        return packed
+
+    def _is_chunk_storage(self, t: torch.Tensor) -> bool:
+        """Whether `t` is (a view of) model state: a chunk's storage."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(x is not None and x.untyped_storage().data_ptr() == ptr
+                   for c in self.chunks for x in (c.full, c.shard, c.master))
 
     def _to_device(self, tree):
         def move(x):
@@ -229,6 +269,9 @@ class Engine:
         chunk.grads_seen += 1
         if self._reduce_now and not chunk.reduced and chunk.grads_seen == chunk.expected_grads:
             self._start_reduce(chunk)
+            if self.stage >= 2:
+                self._reducing.append(chunk)
+                self._finish_completed_reductions()
         if self.hooks is not None:
             self.hooks.grad_arrived(p)
 
@@ -237,7 +280,19 @@ class Engine:
             self.comm.check_order(order_tag(REDUCE, chunk.index))
         chunk.start_reduce(self.comm)
 
+    def _finish_completed_reductions(self) -> None:
+        """Stages 2-3, during backward: finish the reductions that are done, oldest first, so their
+        full gradient buffers are freed (and, with the optimizer offloaded, their reduced gradient
+        starts its copy to the host) while backward goes on."""
+        while self._reducing:
+            c = self._reducing[0]
+            if c.reduce_work is not None and not c.reduce_work.is_completed():
+                return
+            self._reducing.popleft()
+            c.finish_reduce()
+
     def _flush_reductions(self) -> None:
+        self._reducing.clear()
         for c in self.chunks:
             if not c.trainable:
                 continue
@@ -291,12 +346,13 @@ class Engine:
         return out
 
     def _record_stats(self, applied: bool) -> None:
-        by_kind = {"params": 0, "grads": 0, "optimizer": self.optim.state_bytes()}
+        opt_bytes = self.optim.state_bytes()
+        by_kind = {"params": 0, "grads": 0, "optimizer": sum(opt_bytes.values())}
+        by_device = {"device": opt_bytes[False], "host": opt_bytes[True]}
         for c in self.chunks:
-            b = c.state_bytes()
-            by_kind["params"] += b["params"]
-            by_kind["grads"] += b["grads"]
-            by_kind["optimizer"] += b["master"]
+            for kind, on_host, n in c.state_bytes():
+                by_kind["optimizer" if kind == "master" else kind] += n
+                by_device["host" if on_host else "device"] += n
         self._stats = {
             "step": self.steps,
             "applied": applied,
@@ -304,6 +360,8 @@ class Engine:
             "control_collectives": self.comm.control_collectives,
             "model_state_bytes": sum(by_kind.values()),
             "model_state_bytes_by_kind": by_kind,
+            "model_state_bytes_by_device": by_device,
+            "transfer_bytes": {"h2d": self.transfer.h2d_bytes, "d2h": self.transfer.d2h_bytes},
             "num_params": sum(s.numel() for s in self.shapes.values()),
             "num_chunks": len(self.chunks),
             "padded_elements": sum(c.padded_numel for c in self.chunks),
@@ -314,13 +372,16 @@ class Engine:
             "world_size": self.comm.world,
         }
         self.comm.reset_counters()
+        self.transfer.reset_counters()
         self.cache.peak = 0
 
     def stats(self) -> dict:
         """Figures of the last optimizer step: `comm_elements` (payload elements this rank moved,
         counted as the ZeRO paper does), `model_state_bytes` and `model_state_bytes_by_kind`
         (bytes of parameters, gradients and optimizer states this rank holds; transient buffers
-        and the stage-3 cache excluded), and more."""
+        and the stage-3 cache excluded), `model_state_bytes_by_device` (the same bytes split into
+        'device' and 'host' memory), `transfer_bytes` ('h2d' and 'd2h' bytes copied between host and
+        device since the previous step), and more."""
         return dict(self._stats)
 
 

@@ -8,6 +8,11 @@ Stage 3 lifecycle of one module call:
   gradient arrival   once every trainable direct parameter of the module has its gradient, the hold
                      ends (the engine calls `grad_arrived`); holds still open end with the backward.
 
+Tensors that autograd saves for backward and that are views of a gathered chunk (a weight saved by
+a matmul) are saved as a `ChunkView` (chunk, offset, size, stride) instead, and re-read from the
+chunk, gathered again by then, in backward: otherwise every saved weight would keep its gathered
+chunk alive from forward to backward and stage 3 would hold the whole model at its peak.
+
 Outside its module's forward, a stage-3 parameter's slot holds a `ShardedPlaceholder` with the
 parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
 the parameter, instead of silently reading a freed buffer.
@@ -18,6 +23,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
+
+from .chunks import ChunkState
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -60,6 +67,15 @@ class ShardedPlaceholder(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
+
+
+class ChunkView:
+    """A saved tensor that is a view of a gathered stage-3 chunk, kept as a reference."""
+
+    __slots__ = ("chunk", "size", "stride", "offset")
+
+    def __init__(self, chunk, t: torch.Tensor):
+        self.chunk, self.size, self.stride, self.offset = chunk, t.size(), t.stride(), t.storage_offset()
 
 
 def output_tensors(out) -> list[torch.Tensor]:
@@ -175,6 +191,26 @@ class Stage3Hooks:
         del self.held[module]
         for c in self.chunks_of(module):
             self.cache.release(c)
+
+    # -- saved tensors (see ChunkView) -------------------------------------------------------------
+    def pack_chunk_view(self, t: torch.Tensor) -> ChunkView | None:
+        ptr = t.untyped_storage().data_ptr()
+        for c in self.cache.cached.values():
+            if c.full is not None and c.full.untyped_storage().data_ptr() == ptr:
+                return ChunkView(c, t)
+        return None
+
+    @staticmethod
+    def unpack_chunk_view(v: ChunkView) -> torch.Tensor:
+        c = v.chunk
+        if c.state is ChunkState.GATHERING:
+            c.finish_gather()
+        if c.state is not ChunkState.GATHERED:
+            names = ", ".join(s.name for s in c.slots)
+            raise ShardedParameterError(
+                f"zeroshard stage 3: backward needs chunk {c.index} ({names}) but it is not gathered: "
+                "a parameter saved for backward was used outside the modules that register it")
+        return c.full.as_strided(v.size, v.stride, v.offset)
 
     def end_backward(self) -> None:
         self.close_open_forwards()

@@ -9,6 +9,11 @@ One step, in order:
 4. The optimizer step; then the 16-bit copy of the owned range is refreshed from the master, and at
    stages 1-2 every chunk is all-gathered so each rank again holds all parameters (stage 3 gathers
    lazily when modules run; stage 0 updated everything everywhere).
+
+Chunks whose optimizer lives on the host (offload.py) step one chunk at a time, in the order the next
+forward needs them, and each updated shard starts its upload (and, at stages 1-2, its all-gather)
+while the next chunk steps. An optimizer that can write the 16-bit copy in the same pass as the
+update (zeroshard.CPUAdamW) is given the copy's destination, saving a pass over the master.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from .offload import Pending
 
 
 class LossScaler:
@@ -39,14 +46,18 @@ class LossScaler:
         return {"scale": self.scale, "clean_steps": self.clean_steps}
 
 
-def default_optimizer(params):
-    return torch.optim.AdamW(params, lr=1e-3)
+def default_optimizer(host: bool):
+    """AdamW, lr 1e-3: torch's, or zeroshard's CPUAdamW when the step runs on the host."""
+    if host:
+        from .cpu_adam import CPUAdamW
+        return lambda params: CPUAdamW(params, lr=1e-3)
+    return lambda params: torch.optim.AdamW(params, lr=1e-3)
 
 
 class ShardedOptimizer:
     def __init__(self, make_opt, comm, *, stage: int, dtype: torch.dtype, accumulation: int,
                  clip_grad_norm: float | None, scaler: LossScaler | None):
-        self.make_opt = make_opt or default_optimizer
+        self.make_opt = make_opt
         self.comm = comm
         self.stage = stage
         self.dtype = dtype
@@ -57,6 +68,10 @@ class ShardedOptimizer:
         self.chunks = []
         self.last_grad_norm = None
         self.skipped_steps = 0
+        self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
+        self._staging_turn = 0
+        self._staging_slot_of: dict[int, int] = {}
+        self._targets: dict[int, torch.Tensor | None] = {}
 
     def attach(self, chunks) -> None:
         """(Re)bind the optimizer to the trainable chunks' masters. Before the first step the
@@ -100,15 +115,97 @@ class ShardedOptimizer:
 
         if self.clip is not None:
             self.last_grad_norm = self._clip()
-        self.optimizer.step()
+        on_host = [c for c in self.chunks if c.placement.optimizer_on_host]
+        gathers = []
+        if not on_host or len(self.optimizer.param_groups) > 1:  # one step over every chunk
+            self._step_chunks(self.chunks)
+            for c in self.chunks:
+                self._publish(c, gathers)
+        else:
+            on_device = [c for c in self.chunks if not c.placement.optimizer_on_host]
+            if on_device:
+                self._step_chunks(on_device)
+                for c in on_device:
+                    self._publish(c, gathers)
+            for c in on_host:  # in the order the next forward needs them
+                self._step_chunks([c])
+                self._publish(c, gathers)
+        for w in gathers:
+            if w is not None:
+                w.wait()
         self._drop_grads()
-        self._push_params()
         return True
+
+    def _step_chunks(self, chunks) -> None:
+        """optimizer.step() over these chunks' masters only (all of them: one plain step)."""
+        fused_copy = getattr(self.optimizer, "copy_targets", None)
+        for c in chunks:
+            target = self._targets[id(c)] = self._copy_target(c)
+            if target is not None and fused_copy is not None:
+                fused_copy[id(c.master)] = target
+        if len(chunks) == len(self.chunks):
+            self.optimizer.step()
+            return
+        group = self.optimizer.param_groups[0]
+        saved, group["params"] = group["params"], [c.master for c in chunks]
+        try:
+            self.optimizer.step()
+        finally:
+            group["params"] = saved
+
+    def _copy_target(self, c) -> torch.Tensor | None:
+        """Where the 16-bit copy of an updated master goes when it can be written on the master's
+        side: the shard itself when both live on the same side, a host staging buffer when the
+        master is on the host and the shard on the device. None: nothing to write there (fp32
+        aliasing, fp32 upload straight from the master, or a download from a device master)."""
+        if c.master_is_shard:
+            return None
+        shard_on_host = c.stage == 3 and c.placement.params_on_host
+        if c.placement.optimizer_on_host == shard_on_host:
+            return c.shard
+        if c.placement.optimizer_on_host and self.dtype != torch.float32:
+            return self._staging_for(c)
+        return None
+
+    def _staging_for(self, c) -> torch.Tensor:
+        """A host 16-bit buffer for uploading chunk c's update: a ring of two buffers (ZeRO-R's
+        constant-size buffers), each reused only once the upload that last read it has finished."""
+        slot = self._staging_turn
+        self._staging_turn ^= 1
+        buf, reader = self._staging[slot]
+        if reader is not None:
+            reader.sync()
+        if buf is None:
+            buf = c.transfer.host_empty(max(x.master.numel() for x in self.chunks), self.dtype)
+        self._staging[slot] = (buf, None)
+        self._staging_slot_of[id(c)] = slot
+        return buf[:c.master.numel()]
+
+    def _publish(self, c, gathers: list) -> None:
+        """Bring chunk c's updated master into its compute shard, then (stages 1-2) start the
+        all-gather that gives every rank the whole updated chunk."""
+        if not c.master_is_shard:
+            target = self._targets.pop(id(c))
+            if target is not None and id(c.master) not in getattr(self.optimizer, "copied", ()):
+                target.copy_(c.master)
+            if target is c.shard:
+                pass
+            elif c.placement.optimizer_on_host:  # master on the host, shard on the device: upload
+                upload = c.transfer.to_device(c.master if target is None else target, out=c.shard)
+                if target is not None:
+                    slot = self._staging_slot_of.pop(id(c))
+                    self._staging[slot] = (self._staging[slot][0], upload)
+                upload.wait()
+            else:  # master on the device, shard offloaded to the host: download
+                src = c.master if self.dtype == torch.float32 else c.master.to(self.dtype)
+                c.transfer.to_host(src, out=c.shard).wait()
+        if self.stage in (1, 2):
+            gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
 
     def _clip(self) -> float:
         sq = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
         for c in self.chunks:
-            sq += c.master.grad.pow(2).sum()
+            sq += c.master.grad.pow(2).sum().to(sq.device)
         if self.stage > 0:  # stage 0: every rank already holds the whole gradient
             self.comm.control_all_reduce(sq)
         norm = math.sqrt(sq.item())
@@ -121,18 +218,15 @@ class ShardedOptimizer:
     def _drop_grads(self) -> None:
         for c in self.chunks:
             c.master.grad = None
+        if hasattr(self.optimizer, "copied"):
+            self.optimizer.copied.clear()
 
-    def _push_params(self) -> None:
-        if self.dtype != torch.float32:
-            for c in self.chunks:
-                c.shard.copy_(c.master)
-        if self.stage in (1, 2):
-            works = [self.comm.all_gather(c.full, c.shard, async_op=True) for c in self.chunks]
-            for w in works:
-                if w is not None:
-                    w.wait()
-
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer's own state tensors (moments etc.) on this rank."""
-        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values()
-                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    def state_bytes(self) -> dict[bool, int]:
+        """Bytes of the optimizer's own state tensors (moments etc.) on this rank, by whether they
+        are on the host."""
+        host_of = {id(c.master): c.placement.optimizer_on_host for c in self.chunks}
+        out = {False: 0, True: 0}
+        for p, st in self.optimizer.state.items():
+            out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()
+                                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return out

@@ -1,0 +1,89 @@
+// One pass of AdamW over fp32 tensors on the CPU, optionally also writing a 16-bit copy of the
+// updated parameter (the copy that goes back to the accelerator), on torch's own CPU thread pool
+// (at::parallel_for: it honours torch.set_num_threads, and no second OpenMP runtime is loaded).
+// Per element: read param, grad, exp_avg, exp_avg_sq; write them back (grad excepted) and the copy:
+// 28 bytes, or 30 with a 16-bit copy.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+constexpr int64_t kGrain = 1 << 15;  // elements per task: 128 KiB of each fp32 stream
+
+template <int COPY>  // 0: no copy, 1: bf16, 2: fp16
+void adamw_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
+                float* __restrict v, uint16_t* __restrict out, int64_t n, float lr, float beta1,
+                float beta2, float eps, float wd, float step_size, float bc2_sqrt) {
+  const float decay = 1.0f - lr * wd;
+  const float one_minus_b1 = 1.0f - beta1;
+  const float one_minus_b2 = 1.0f - beta2;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = g[i];
+    float pi = p[i] * decay;
+    const float mi = m[i] + one_minus_b1 * (gi - m[i]);
+    const float vi = beta2 * v[i] + one_minus_b2 * gi * gi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    pi = pi - step_size * mi / denom;
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (COPY == 1) out[i] = to_bf16_bits(pi);
+    if constexpr (COPY == 2) out[i] = c10::Half(pi).x;
+  }
+  });
+}
+
+}  // namespace
+
+// step is the step number after this update (1 for the first update).
+void adamw_(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+            c10::optional<torch::Tensor> copy16, double lr, double beta1, double beta2, double eps,
+            double weight_decay, int64_t step) {
+  for (const auto& t : {param, grad, exp_avg, exp_avg_sq}) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(),
+                "zeroshard cpu_adam: expects contiguous fp32 CPU tensors");
+    TORCH_CHECK(t.numel() == param.numel(), "zeroshard cpu_adam: size mismatch");
+  }
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const float step_size = static_cast<float>(lr / bc1);
+  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  auto* p = param.data_ptr<float>();
+  auto* g = grad.data_ptr<float>();
+  auto* m = exp_avg.data_ptr<float>();
+  auto* v = exp_avg_sq.data_ptr<float>();
+  const int64_t n = param.numel();
+  const float args[] = {(float)lr, (float)beta1, (float)beta2, (float)eps, (float)weight_decay};
+  if (!copy16.has_value()) {
+    adamw_loop<0>(p, g, m, v, nullptr, n, args[0], args[1], args[2], args[3], args[4], step_size, bc2_sqrt);
+    return;
+  }
+  auto& c = *copy16;
+  TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.numel() == n,
+              "zeroshard cpu_adam: the 16-bit copy must be a contiguous CPU tensor of the same size");
+  auto* out = reinterpret_cast<uint16_t*>(c.data_ptr());
+  if (c.scalar_type() == torch::kBFloat16) {
+    adamw_loop<1>(p, g, m, v, out, n, args[0], args[1], args[2], args[3], args[4], step_size, bc2_sqrt);
+  } else {
+    TORCH_CHECK(c.scalar_type() == torch::kHalf, "zeroshard cpu_adam: copy must be bf16 or fp16");
+    adamw_loop<2>(p, g, m, v, out, n, args[0], args[1], args[2], args[3], args[4], step_size, bc2_sqrt);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_", &adamw_, "AdamW step in place, optionally writing a 16-bit copy");
+}

@@ -1,0 +1,144 @@
+"""Offload: which model states live in host memory, and the one layer that moves bytes between the
+host and the device.
+
+Vocabulary:
+- device: where the model computes (a GPU, or the CPU on a machine without one).
+- host: CPU memory. With CUDA, host buffers are pinned so copies run asynchronously on a side
+  stream, overlapped with compute; without CUDA, host and device are both CPU memory and the same
+  code still makes (and counts) every copy, so placement logic is tested on any machine.
+- placement: per chunk, whether its optimizer (fp32 master + optimizer states, and the step) and its
+  16-bit parameter shard live on the host. The config sets one placement for every chunk; Elixir's
+  planner (later) chooses chunk by chunk.
+- d2h / h2d: device-to-host and host-to-device copies, counted in bytes per step.
+
+ZeRO-Offload's data path through this module: a chunk's reduced gradient goes d2h as soon as its
+reduction is done (during backward); the optimizer step runs on the host chunk by chunk, and each
+updated shard goes h2d while the next chunk steps. With offloaded parameters (stage 3), a shard goes
+h2d each time its chunk is gathered. Activation offload (ZeRO-R's P_a+cpu) sends tensors saved for
+backward d2h in forward and brings them back in backward.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one chunk's model states live."""
+
+    optimizer_on_host: bool = False  # fp32 master, optimizer states and the step on the host
+    params_on_host: bool = False  # stage 3: the 16-bit parameter shard lives on the host
+
+
+class Transfer:
+    """Copies between host and device, counted in bytes since the last `reset_counters`.
+
+    With CUDA every copy is issued on one side stream, ordered after the work already queued on the
+    compute stream, and returns a `Pending` whose `wait()` orders later compute after it. Host
+    buffers are pinned so those copies are truly asynchronous.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def reset_counters(self) -> None:
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer of `numel` elements (pinned when CUDA is present)."""
+        return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.cuda)
+
+    def host_copy_of(self, t: torch.Tensor) -> torch.Tensor:
+        """Set-up only (uncounted): a host buffer holding `t`'s values."""
+        out = self.host_empty(t.numel(), t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    @contextlib.contextmanager
+    def _side(self, src_on_device: torch.Tensor | None):
+        if not self.cuda:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        if src_on_device is not None:  # keep the source alive until the side stream has read it
+            src_on_device.record_stream(self.stream)
+
+    def to_host(self, src: torch.Tensor, out: torch.Tensor | None = None) -> "Pending":
+        """Copy device tensor `src` into a host tensor (`out`, or a new one)."""
+        out = self.host_empty(src.numel(), src.dtype).view(src.shape) if out is None else out
+        with self._side(src):
+            out.copy_(src, non_blocking=self.cuda)
+        self.d2h_bytes += src.numel() * src.element_size()
+        return Pending(self, out)
+
+    def to_device(self, src: torch.Tensor, out: torch.Tensor | None = None) -> "Pending":
+        """Copy host tensor `src` into a device tensor (`out`, or a new one)."""
+        if out is None:
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        with self._side(out):
+            out.copy_(src, non_blocking=self.cuda)
+        self.h2d_bytes += src.numel() * src.element_size()
+        return Pending(self, out)
+
+
+class Pending:
+    """A copy in flight: `tensor` is its destination. `wait()` makes it safe to use: the host waits
+    for a d2h copy; the compute stream waits for an h2d copy (the host does not block)."""
+
+    def __init__(self, transfer: Transfer, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.event = None
+        if transfer.cuda:
+            self.event = torch.cuda.Event()
+            self.event.record(transfer.stream)
+        self._on_host = tensor.device.type == "cpu"
+        self._device = transfer.device
+
+    def sync(self) -> None:
+        """Block the host until the copy is done (before reusing its source buffer)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            if self._on_host:
+                self.event.synchronize()
+            else:
+                torch.cuda.current_stream(self._device).wait_event(self.event)
+            self.event = None
+        return self.tensor
+
+
+class ActivationOffload:
+    """Keeps tensors saved for backward in host memory between forward and backward.
+
+    The engine calls pack/unpack from its saved-tensor hooks around the model's forward. With activation checkpointing the tensors saved outside
+    checkpointed regions are exactly the checkpoints (the regions' inputs), so this is ZeRO-R's
+    P_a+cpu; without checkpointing every saved activation is offloaded. Parameters (and views of
+    chunk storage) are never offloaded: they are model states, not activations.
+    """
+
+    def __init__(self, transfer: Transfer, is_model_state):
+        self.transfer = transfer
+        self.is_model_state = is_model_state
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.device != self.transfer.device or self.is_model_state(t):
+            return t
+        return self.transfer.to_host(t)
+
+    def unpack(self, packed):
+        if not isinstance(packed, Pending):
+            return packed
+        return self.transfer.to_device(packed.wait()).wait()
