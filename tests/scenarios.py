@@ -256,6 +256,82 @@ def _add_hf():
 _add_hf()
 
 
+
+# -- offload (ZeRO-Offload, ZeRO-R P_a+cpu) ------------------------------------------------------
+OFFLOAD_FLAGS = {
+    "opt": {"offload_optimizer": True},
+    "params": {"offload_params": True},
+    "act": {"offload_activations": True},
+    "all": {"offload_optimizer": True, "offload_params": True, "offload_activations": True},
+}
+OFFLOAD_CASES = {  # name: (precision, optimizer factory, extra config)
+    "fp32_sgd_clip": ("fp32", make_sgd, {"clip_grad_norm": 0.5}),
+    "fp32_adamw": ("fp32", make_adamw, {}),
+    "bf16_cpuadamw": ("bf16", zeroshard.CPUAdamW, {}),
+    "fp16_cpuadamw": ("fp16", zeroshard.CPUAdamW, {}),
+}
+
+
+def _add_offload():
+    for case, (prec, opt, extra) in OFFLOAD_CASES.items():
+        for stage in (1, 2, 3):
+            def fn(rank, world, prec=prec, opt=opt, extra=extra, stage=stage):
+                data = batches(3, world, 2, accumulation=2)
+                ref, _, _ = reference(tiny_gpt2(), data, opt, extra.get("clip_grad_norm"))
+                cfg = {"stage": stage, "precision": prec, "chunk_size": 20000,
+                       "gradient_accumulation_steps": 2, **extra}
+                base = zeroshard.initialize(tiny_gpt2(), opt, cfg)
+                train(base, data, rank)
+                base_sd = base.full_state_dict()
+                out = {"base_vs_ref": max_diff(base_sd, ref)}
+                for flag, kw in OFFLOAD_FLAGS.items():
+                    if stage != 3:  # offload_params is stage 3 only: "all" is the other two
+                        if flag == "params":
+                            continue
+                        kw = {k: v for k, v in kw.items() if k != "offload_params"}
+                    engine = zeroshard.initialize(tiny_gpt2(), opt, {**cfg, **kw})
+                    train(engine, data, rank)
+                    sd = engine.full_state_dict()
+                    out[flag] = {"diff": max_diff(sd, base_sd), "vs_ref": max_diff(sd, ref),
+                                 **engine.stats()}
+                return out
+            SCENARIOS[f"offload_{case}_stage{stage}"] = fn
+
+
+_add_offload()
+
+
+@scenario
+def offload_memory_bf16_adamw(rank, world):
+    """Per-rank model-state bytes by device with offload, bf16 + AdamW (one micro-batch per step)."""
+    out = {}
+    data = batches(2, world, 2)
+    for name, cfg in (("s1_opt", {"stage": 1, "offload_optimizer": True}),
+                      ("s2_opt", {"stage": 2, "offload_optimizer": True}),
+                      ("s3_opt", {"stage": 3, "offload_optimizer": True}),
+                      ("s3_params", {"stage": 3, "offload_params": True}),
+                      ("s3_all", {"stage": 3, "offload_optimizer": True, "offload_params": True,
+                                  "cache_chunks": 2})):
+        engine = zeroshard.initialize(tiny_gpt2(), zeroshard.CPUAdamW,
+                                      {"precision": "bf16", "chunk_size": 20000, **cfg})
+        train(engine, data[:-1], rank)
+        gathered = []  # shard bytes of every gather in the last step
+        for c in engine.chunks:
+            def spy(comm, c=c, real=c.start_gather):
+                gathered.append(c.shard_numel * 2)
+                real(comm)
+            c.start_gather = spy
+        train(engine, data[-1:], rank)
+        s = engine.stats()
+        s["shard_bytes"] = sum(c.shard_numel * 2 for c in engine.chunks)
+        s["trainable_shard_bytes"] = sum(c.shard_numel * 2 for c in engine.chunks if c.trainable)
+        s["gathered_shard_bytes"] = sum(gathered)
+        s["gathers"] = len(gathered)
+        s["num_chunks"] = len(engine.chunks)
+        out[name] = s
+    return out
+
+
 def run_all(rank, world, out_path, only=None):
     results = {}
     for name, fn in SCENARIOS.items():

@@ -153,6 +153,7 @@ class Chunk:
             self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
         self.reduced = False  # a reduction of this backward pass's gradient has started
+        self.reduce_done = False  # ... and was finished during backward (stages 2-3)
         self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
         self.expected_grads = sum(1 for s in slots if s.param.requires_grad)
         # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
@@ -241,6 +242,7 @@ class Chunk:
         if not self.reduced:  # stages 0-1 between accumulation boundaries: nothing was reduced
             return
         self.reduced = False
+        self.reduce_done = True
         lo, hi = self.owned_range
         if self.stage <= 1:
             if stashed is not None:

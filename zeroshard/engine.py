@@ -296,12 +296,15 @@ class Engine:
         for c in self.chunks:
             if not c.trainable:
                 continue
-            if self._reduce_now and not c.reduced:
+            # Reduce what is not reduced yet: chunks some parameter of which got no gradient, and
+            # gradients that arrived after their chunk's reduction had finished.
+            if self._reduce_now and not c.reduced and (not c.reduce_done or c.grad_full is not None):
                 self._start_reduce(c)
         for c in self.chunks:
             if c.trainable:
                 c.finish_reduce()
                 c.grads_seen = 0
+                c.reduce_done = False
 
     def step(self) -> bool:
         """At the end of a gradient accumulation window, apply the update and clear gradients.
