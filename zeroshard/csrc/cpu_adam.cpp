@@ -1,6 +1,6 @@
 // One pass of AdamW over fp32 tensors on the CPU, optionally also writing a 16-bit copy of the
 // updated parameter (the copy that goes back to the accelerator), on torch's own CPU thread pool
-// (at::parallel_for: it honours torch.set_num_threads, and no second OpenMP runtime is loaded).
+// (at::parallel_for: it honours torch.set_num_threads).
 // Per element: read param, grad, exp_avg, exp_avg_sq; write them back (grad excepted) and the copy:
 // 28 bytes, or 30 with a 16-bit copy.
 #include <ATen/Parallel.h>
@@ -12,12 +12,12 @@
 
 namespace {
 
+// Round to nearest even; NaN stays NaN. Branch-free so the loop below vectorises.
 inline uint16_t to_bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 constexpr int64_t kGrain = 1 << 15;  // elements per task: 128 KiB of each fp32 stream
@@ -25,7 +25,7 @@ constexpr int64_t kGrain = 1 << 15;  // elements per task: 128 KiB of each fp32 
 template <int COPY>  // 0: no copy, 1: bf16, 2: fp16
 void adamw_loop(float* __restrict p, const float* __restrict g, float* __restrict m,
                 float* __restrict v, uint16_t* __restrict out, int64_t n, float lr, float beta1,
-                float beta2, float eps, float wd, float step_size, float bc2_sqrt) {
+                float beta2, float eps, float wd, float step_size, float inv_bc2_sqrt) {
   const float decay = 1.0f - lr * wd;
   const float one_minus_b1 = 1.0f - beta1;
   const float one_minus_b2 = 1.0f - beta2;
@@ -36,7 +36,7 @@ void adamw_loop(float* __restrict p, const float* __restrict g, float* __restric
     float pi = p[i] * decay;
     const float mi = m[i] + one_minus_b1 * (gi - m[i]);
     const float vi = beta2 * v[i] + one_minus_b2 * gi * gi;
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    const float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
     pi = pi - step_size * mi / denom;
     p[i] = pi;
     m[i] = mi;
@@ -61,7 +61,7 @@ void adamw_(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torc
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   const float step_size = static_cast<float>(lr / bc1);
-  const float bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  const float bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));  // passed as its inverse
   auto* p = param.data_ptr<float>();
   auto* g = grad.data_ptr<float>();
   auto* m = exp_avg.data_ptr<float>();
