@@ -156,16 +156,19 @@ class ShardedOptimizer:
     def _copy_target(self, c) -> torch.Tensor | None:
         """Where the 16-bit copy of an updated master goes when it can be written on the master's
         side: the shard itself when both live on the same side, a host staging buffer when the
-        master is on the host and the shard on the device. None: nothing to write there (fp32
-        aliasing, fp32 upload straight from the master, or a download from a device master)."""
+        master is on the host and the shard on the device, a device buffer when it is the other way
+        round. None in fp32: the master itself is (or is copied into) the shard."""
         if c.master_is_shard:
             return None
         shard_on_host = c.stage == 3 and c.placement.params_on_host
         if c.placement.optimizer_on_host == shard_on_host:
             return c.shard
-        if c.placement.optimizer_on_host and self.dtype != torch.float32:
+        if self.dtype == torch.float32:
+            return None
+        if c.placement.optimizer_on_host:
             return self._staging_for(c)
-        return None
+        # master on the device, shard on the host: convert on the device, then download
+        return torch.empty(c.master.numel(), dtype=self.dtype, device=c.master.device)
 
     def _staging_for(self, c) -> torch.Tensor:
         """A host 16-bit buffer for uploading chunk c's update: a ring of two buffers (ZeRO-R's
@@ -197,8 +200,7 @@ class ShardedOptimizer:
                     self._staging[slot] = (self._staging[slot][0], upload)
                 upload.wait()
             else:  # master on the device, shard offloaded to the host: download
-                src = c.master if self.dtype == torch.float32 else c.master.to(self.dtype)
-                c.transfer.to_host(src, out=c.shard).wait()
+                c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()
         if self.stage in (1, 2):
             gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
 
