@@ -7,6 +7,7 @@ import torch
 import zeroshard
 from zeroshard import cpu_adam
 from zeroshard.config import load_config
+from models import batches, max_diff, tiny_gpt2, train
 
 
 def _pair(n=50_000, seed=0, **kw):
@@ -104,3 +105,21 @@ def test_stage3_frees_gathered_chunks_between_forward_and_backward():
     engine.step()
     chunk_bytes = d * d * 4
     assert chunk_bytes <= held < 2 * chunk_bytes, f"forward left {held / 2**20:.1f} MiB allocated"
+
+
+def test_offload_with_several_param_groups_matches_no_offload():
+    """An optimizer with several parameter groups cannot be stepped one chunk at a time, so every
+    offloaded chunk steps at once, and CPUAdamW writes every chunk's 16-bit copy in that one step:
+    each needs its own upload buffer."""
+    def two_groups(ps):
+        return zeroshard.CPUAdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 2e-3}], lr=1e-3)
+
+    data = batches(3, 1, 2)
+    out = []
+    for offload in (False, True):
+        engine = zeroshard.initialize(tiny_gpt2(), two_groups, {"stage": 2, "precision": "bf16", "chunk_size": 20000,
+                                                                "offload_optimizer": offload})
+        assert len(engine.chunks) >= 4
+        train(engine, data, 0)
+        out.append(engine.full_state_dict())
+    assert max_diff(out[0], out[1]) == 0.0

@@ -140,7 +140,7 @@ class ShardedOptimizer:
         """optimizer.step() over these chunks' masters only (all of them: one plain step)."""
         fused_copy = getattr(self.optimizer, "copy_targets", None)
         for c in chunks:
-            target = self._targets[id(c)] = self._copy_target(c)
+            target = self._targets[id(c)] = self._copy_target(c, ring=len(chunks) == 1)
             if target is not None and fused_copy is not None:
                 fused_copy[id(c.master)] = target
         if len(chunks) == len(self.chunks):
@@ -153,11 +153,12 @@ class ShardedOptimizer:
         finally:
             group["params"] = saved
 
-    def _copy_target(self, c) -> torch.Tensor | None:
+    def _copy_target(self, c, ring: bool) -> torch.Tensor | None:
         """Where the 16-bit copy of an updated master goes when it can be written on the master's
         side: the shard itself when both live on the same side, a host staging buffer when the
         master is on the host and the shard on the device, a device buffer when it is the other way
-        round. None in fp32: the master itself is (or is copied into) the shard."""
+        round. None in fp32: the master itself is (or is copied into) the shard. `ring`: chunks
+        step one at a time, so host staging buffers can be reused (see _staging_for)."""
         if c.master_is_shard:
             return None
         shard_on_host = c.stage == 3 and c.placement.params_on_host
@@ -166,7 +167,7 @@ class ShardedOptimizer:
         if self.dtype == torch.float32:
             return None
         if c.placement.optimizer_on_host:
-            return self._staging_for(c)
+            return self._staging_for(c) if ring else c.transfer.host_empty(c.master.numel(), self.dtype)
         # master on the device, shard on the host: convert on the device, then download
         return torch.empty(c.master.numel(), dtype=self.dtype, device=c.master.device)
 
@@ -195,8 +196,8 @@ class ShardedOptimizer:
                 pass
             elif c.placement.optimizer_on_host:  # master on the host, shard on the device: upload
                 upload = c.transfer.to_device(c.master if target is None else target, out=c.shard)
-                if target is not None:
-                    slot = self._staging_slot_of.pop(id(c))
+                slot = self._staging_slot_of.pop(id(c), None)
+                if slot is not None:
                     self._staging[slot] = (self._staging[slot][0], upload)
                 upload.wait()
             else:  # master on the device, shard offloaded to the host: download
