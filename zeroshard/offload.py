@@ -64,15 +64,16 @@ class Transfer:
         return out
 
     @contextlib.contextmanager
-    def _side(self, src_on_device: torch.Tensor | None):
+    def _side(self, device_tensor: torch.Tensor):
         if not self.cuda:
             yield
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             yield
-        if src_on_device is not None:  # keep the source alive until the side stream has read it
-            src_on_device.record_stream(self.stream)
+        # The device tensor (a d2h source, an h2d destination) was allocated on the compute stream:
+        # its memory must not be handed out again before the side stream is done with it.
+        device_tensor.record_stream(self.stream)
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor | None = None) -> "Pending":
         """Copy device tensor `src` into a host tensor (`out`, or a new one)."""
