@@ -18,18 +18,23 @@ from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
+from .profiler import Profile, profile
 
-__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "DivergedError", "ShardedParameterError"]
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "DivergedError",
+           "ShardedParameterError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
-               *, device: torch.device | str | None = None) -> Engine:
+               *, device: torch.device | str | None = None, example_inputs=None) -> Engine:
     """Wrap `model` for ZeRO data-parallel training.
 
     optimizer: a callable taking the list of flat fp32 master tensors this rank owns and returning a
         torch.optim.Optimizer; None gives AdamW(lr=1e-3) (zeroshard.CPUAdamW with offload_optimizer).
     config: a `Config`, a dict of its fields, or a path to a .json/.toml file with them.
     device: where compute runs; default cuda:LOCAL_RANK when CUDA is available, else the CPU.
+    example_inputs: with offload/stage 'auto', one micro-batch as the model is called in training (a
+        tensor, a tuple of arguments or a dict of keyword arguments; only shapes and dtypes are used):
+        the model is profiled on the meta device, the machine measured (cached), and the plan applied.
     The process group comes from torchrun's environment (gloo on CPU, NCCL on CUDA); without it the
     world is this one process.
     """
@@ -37,4 +42,5 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
         raise ValueError("zeroshard.initialize: optimizer must be a callable taking a list of tensors "
                          "(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), or None")
     cfg = load_config(config)
-    return Engine(model, optimizer, cfg, torch.device(device) if device is not None else None)
+    return Engine(model, optimizer, cfg, torch.device(device) if device is not None else None,
+                  example_inputs=example_inputs)

@@ -6,18 +6,26 @@ released: the one whose next use in the recorded sequence is farthest away (Bela
 least recently used one while the sequence is still being recorded. If every cached chunk is pinned
 the cache grows past its capacity rather than deadlock, and `overflows` counts it.
 
-Prefetch: the first training step records the sequence of chunk uses (forward then backward). Later
-steps follow that sequence with a cursor, and each use starts the all-gather of the next chunk in
-the sequence when a slot is free, so communication overlaps the current module's compute. A use that
-departs from the recording re-synchronises the cursor; it never fails.
+Prefetch: the sequence of chunk uses (forward then backward) comes from the profiler when the
+planner runs (offload/stage 'auto'), else it is recorded over the first training step. Steps follow
+that sequence with a cursor, and each use starts the all-gather of the next chunk in the sequence
+when a slot is free, so communication overlaps the current module's compute.
+
+Departures (dynamic control flow): a use that is not the expected one moves the cursor to that
+chunk's next occurrence in the sequence. A chunk the rest of the sequence never names puts the cache
+off schedule: it evicts the least recently used chunk and stops prefetching until a use matches the
+sequence again. Departures are counted and logged once; they never stop training.
 """
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import OrderedDict
 
 from .chunks import Chunk, ChunkState
 from .collectives import GATHER, order_tag
+
+log = logging.getLogger("zeroshard")
 
 
 class ChunkCache:
@@ -35,9 +43,25 @@ class ChunkCache:
         self.cursor = 0
         self.overflows = 0
         self.peak = 0  # most chunks cached at once since the last reset
+        self.peak_bytes = 0  # most bytes of gathered chunks held at once since the last reset
+        self._bytes = 0
+        self.source = "recorded"  # or "profiled": where the schedule came from
+        self.departures = 0  # uses that were not the one the schedule expected
+        self.off_schedule = False
 
     def set_chunks(self, chunks: list[Chunk]) -> None:
         self.chunks_by_index = {c.index: c for c in chunks}
+
+    def set_schedule(self, sequence: list[int]) -> None:
+        """Follow this sequence of chunk uses (from the profile) instead of recording one."""
+        self.schedule = []
+        self._positions = {}
+        for i in sequence:
+            if not self.schedule or self.schedule[-1] != i:
+                self.schedule.append(i)
+                self._positions.setdefault(i, []).append(len(self.schedule) - 1)
+        self.recording = False
+        self.source = "profiled"
 
     def restart_recording(self) -> None:
         self.schedule.clear()
@@ -72,6 +96,7 @@ class ChunkCache:
         for c in list(self.cached.values()):
             c.release()
         self.cached.clear()
+        self._bytes = 0
 
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:
@@ -85,12 +110,19 @@ class ChunkCache:
             self.comm.check_order(order_tag(GATHER, chunk.index))
         chunk.start_gather(self.comm)
         self.cached[chunk.index] = chunk
+        self._bytes += chunk.full.numel() * chunk.full.element_size()
         self.peak = max(self.peak, len(self.cached))
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+
+    def _evict(self, index: int) -> None:
+        c = self.cached.pop(index)
+        self._bytes -= c.full.numel() * c.full.element_size()
+        c.release()
 
     def _evictable(self):
         """Unpinned cached chunks, best victim first."""
         free = [i for i in self.cached if i not in self.pins]
-        if self.recording or not self.schedule:
+        if self.recording or not self.schedule or self.off_schedule:
             return free  # LRU order
         return sorted(free, key=self._next_use, reverse=True)
 
@@ -105,7 +137,7 @@ class ChunkCache:
         for i in self._evictable():
             if len(self.cached) + n <= self.capacity:
                 break
-            self.cached.pop(i).release()
+            self._evict(i)
         return len(self.cached) + n <= self.capacity
 
     def _shrink(self) -> None:
@@ -113,7 +145,7 @@ class ChunkCache:
             for i in self._evictable():
                 if len(self.cached) <= self.capacity:
                     break
-                self.cached.pop(i).release()
+                self._evict(i)
 
     def _note_use(self, index: int) -> None:
         if self.recording:
@@ -126,15 +158,31 @@ class ChunkCache:
             return  # another use of the current chunk (the schedule stores runs once)
         if self.cursor < len(sched) and sched[self.cursor] == index:
             self.cursor += 1
+            self.off_schedule = False
             return
-        # Off the recorded sequence: resume after the next occurrence of this chunk, if any.
-        for j in range(self.cursor, len(sched)):
-            if sched[j] == index:
-                self.cursor = j + 1
-                return
+        self._depart(index)
+
+    def _depart(self, index: int) -> None:
+        """A use the schedule did not expect: resume after this chunk's next occurrence, if any;
+        else go off schedule (LRU, no prefetch) until a use matches again."""
+        expected = self.schedule[self.cursor] if self.cursor < len(self.schedule) else None
+        self.departures += 1
+        if self.departures == 1:
+            log.warning("zeroshard: chunk uses depart from the %s order (chunk %d used where chunk %s was "
+                        "expected, position %d of %d): dynamic control flow? Training goes on; where the "
+                        "order cannot be followed the cache evicts the least recently used chunk and does "
+                        "not prefetch. Logged once; stats()['schedule_departures'] counts them.",
+                        self.source, index, expected, self.cursor, len(self.schedule))
+        k = bisect.bisect_left(self._positions.get(index, ()), self.cursor)
+        pos = self._positions.get(index, ())
+        if k < len(pos):
+            self.cursor = pos[k] + 1
+            self.off_schedule = False
+        else:
+            self.off_schedule = True
 
     def _maybe_prefetch(self) -> None:
-        if not self.prefetch_enabled or self.recording:
+        if not self.prefetch_enabled or self.recording or self.off_schedule:
             return
         sched = self.schedule
         j = self.cursor

@@ -21,7 +21,8 @@ class Config:
 
     stage: ZeRO stage. 0 = plain data parallelism (gradients all-reduced, everything replicated);
         1 = fp32 master weights and optimizer states sharded; 2 = gradients sharded too;
-        3 = 16-bit parameters sharded too, gathered chunk by chunk when a module needs them.
+        3 = 16-bit parameters sharded too, gathered chunk by chunk when a module needs them;
+        'auto' = the planner picks 2 or 3 (and the cache size) from a profile of the model.
     precision: 'fp32', or 'bf16'/'fp16' for 16-bit compute with fp32 master weights (fp16 adds
         dynamic loss scaling that skips a step on overflow, on every rank alike).
     gradient_accumulation_steps: micro-batches per optimizer step.
@@ -40,6 +41,12 @@ class Config:
         the host during backward and updated parameters back to the device.
     offload_params: stage 3 only: the 16-bit parameter shards also live in host memory and are
         uploaded when their chunk is gathered, so the device holds only what the rCache holds.
+    offload: 'auto' = Elixir: profile the model, measure the machine, and let the planner choose the
+        chunk size, the rCache size and, chunk by chunk, whether the optimizer states (stage 3: and the
+        parameter shard) live on the device or the host, for the fastest step that fits
+        (`zeroshard.initialize` then needs `example_inputs`). False = only what the offload_* keys say.
+    device_memory: bytes of device memory the planner may plan for (default: the device's total;
+        on a machine without a GPU, its RAM). Set it to plan for a smaller device, or to leave room.
     offload_activations: tensors saved for backward (with activation checkpointing: the
         checkpoints) are kept in host memory between forward and backward (ZeRO-R's P_a+cpu).
     """
@@ -57,6 +64,13 @@ class Config:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_activations: bool = False
+    offload: bool | str = False
+    device_memory: int | None = None
+
+    @property
+    def planned(self) -> bool:
+        """Whether the planner decides stage, chunk size, cache and placement."""
+        return self.offload == "auto" or self.stage == "auto"
 
     def __post_init__(self):
         def bad(key, valid):
@@ -65,8 +79,12 @@ class Config:
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if not is_int(self.stage) or self.stage not in (0, 1, 2, 3):
-            bad("stage", "0, 1, 2 or 3")
+        if self.stage != "auto" and (not is_int(self.stage) or self.stage not in (0, 1, 2, 3)):
+            bad("stage", "0, 1, 2, 3 or 'auto'")
+        if self.offload not in (False, "auto"):
+            bad("offload", "'auto' or false")
+        if self.device_memory is not None and (not is_int(self.device_memory) or self.device_memory < 1):
+            bad("device_memory", "an integer >= 1 (bytes), or None for the device's total")
         if self.precision not in PRECISIONS:
             bad("precision", "'fp32', 'bf16' or 'fp16'")
         if not is_int(self.gradient_accumulation_steps) or self.gradient_accumulation_steps < 1:
@@ -90,6 +108,17 @@ class Config:
         if not is_int(self.loss_scale_window) or self.loss_scale_window < 1:
             bad("loss_scale_window", "an integer >= 1")
 
+        if self.planned:
+            if self.stage not in (2, 3, "auto"):
+                raise ValueError(f"zeroshard config: offload='auto' plans stage 2 or 3 (got stage {self.stage}); "
+                                 "use stage 2, 3 or 'auto'")
+            taken = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k)]
+            if taken:
+                raise ValueError(f"zeroshard config: with offload/stage 'auto' the planner decides placement; "
+                                 f"remove {taken} (offload='auto' lets it offload)")
+            if self.cache_chunks is not None:
+                raise ValueError("zeroshard config: cache_chunks is chosen by the planner with offload/stage "
+                                 "'auto'; remove it (or set the stage and offload yourself)")
         if self.offload_optimizer and self.stage == 0:
             raise ValueError("zeroshard config: offload_optimizer=True needs stage >= 1 (stage 0 keeps a "
                              "whole optimizer on every rank; stage 1 shards it, then offloads each shard)")

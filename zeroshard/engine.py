@@ -15,6 +15,7 @@ rank issues the same collectives in the same order.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 
@@ -43,14 +44,24 @@ def default_device() -> torch.device:
 class Engine:
     """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
 
-    def __init__(self, module: nn.Module, make_opt, config: Config, device: torch.device | None = None):
-        self.config = config
+    def __init__(self, module: nn.Module, make_opt, config: Config, device: torch.device | None = None,
+                 example_inputs=None):
         self.device = device or default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_process_group(self.device)
         self.comm = Comm(self.device)
         self.transfer = Transfer(self.device)
+        self.plan = self.profile = None
+        if config.planned:
+            if example_inputs is None:
+                raise ValueError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
+                                 "example_inputs=... to zeroshard.initialize (one micro-batch as the model is "
+                                 "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
+            self.plan, self.profile = plan_for(module, example_inputs, make_opt, config, self.device, self.comm)
+            # The config that runs: what the plan chose (its placement per chunk is applied below).
+            config = dataclasses.replace(config, offload=False, **self.plan.config())
+        self.config = config
         self.placement = Placement(optimizer_on_host=config.offload_optimizer,
                                    params_on_host=config.offload_params)
         self.module = module
@@ -81,12 +92,14 @@ class Engine:
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) \
             if config.precision == "fp16" else None
         if make_opt is None:
-            make_opt = default_optimizer(host=config.offload_optimizer)
+            host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
+            make_opt = default_optimizer(host=host)
         self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler)
         self.chunks: list[Chunk] = []
-        self._build_chunks(self.params, [p.detach() for p in self.params], broadcast=True)
+        order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
+        self._build_chunks(order, [p.detach() for p in order], broadcast=True)
         self.optim.attach(self.chunks)
 
         self.hooks = None
@@ -105,6 +118,12 @@ class Engine:
         self._layout_final = False
         self.cache.recording = True
         self._micro_layout_final = False
+        if self.profile is not None:  # packed in profiled first-use order; follow the profiled schedule
+            self._recorder.remove()
+            self._recorder = None
+            self._layout_final = True
+            self.cache.set_schedule(self._profiled_sequence())
+            log.info("zeroshard: %s", self.plan.describe())
 
     # -- chunks ---------------------------------------------------------------------------------
     def _build_chunks(self, order: list[nn.Parameter], values: list[torch.Tensor], broadcast: bool) -> None:
@@ -120,13 +139,31 @@ class Engine:
                 vals = [value_of[id(s.param)] for s in slots]
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                           dtype=self.dtype, device=self.device, trainable=trainable, values=vals,
-                          comm=self.comm if broadcast else None, placement=self.placement,
+                          comm=self.comm if broadcast else None, placement=self._placement_of(len(chunks)),
                           transfer=self.transfer)
                 chunks.append(c)
                 for s in slots:
                     self._slot_of[id(s.param)] = (c, s)
         self.chunks = chunks
         self.cache.set_chunks(chunks)
+
+    def _placement_of(self, index: int) -> Placement:
+        """The config's placement, or the plan's for this chunk (a chunk the plan did not foresee,
+        after a re-pack, keeps everything on the device)."""
+        if self.plan is None:
+            return self.placement
+        on_host = index < len(self.plan.optimizer_on_host) and self.plan.optimizer_on_host[index]
+        return Placement(optimizer_on_host=on_host, params_on_host=on_host and self.stage == 3)
+
+    def _profiled_sequence(self) -> list[int]:
+        """The profile's trace as the chunk indices stage 3 will acquire."""
+        modules = dict(self.module.named_modules())
+        seq = []
+        for ev in self.profile.trace:
+            m = modules.get(ev.module)
+            if m is not None:
+                seq.extend(c.index for c in self._chunks_of(m))
+        return seq
 
     def _chunks_of(self, module: nn.Module) -> list[Chunk]:
         got = self._module_chunks.get(module)
@@ -369,7 +406,11 @@ class Engine:
             "num_chunks": len(self.chunks),
             "padded_elements": sum(c.padded_numel for c in self.chunks),
             "cache_peak_chunks": self.cache.peak,
+            "cache_peak_bytes": self.cache.peak_bytes,
             "cache_overflows": self.cache.overflows,
+            "schedule_departures": self.cache.departures,
+            # Device bytes the planner predicts (Plan.device_model_bytes): model states + rCache.
+            "device_model_bytes": by_device["device"] + self.cache.peak_bytes,
             "loss_scale": self.scaler.scale if self.scaler else None,
             "grad_norm": self.optim.last_grad_norm,
             "world_size": self.comm.world,
@@ -377,6 +418,7 @@ class Engine:
         self.comm.reset_counters()
         self.transfer.reset_counters()
         self.cache.peak = 0
+        self.cache.peak_bytes = 0
 
     def stats(self) -> dict:
         """Figures of the last optimizer step: `comm_elements` (payload elements this rank moved,
@@ -386,6 +428,48 @@ class Engine:
         'device' and 'host' memory), `transfer_bytes` ('h2d' and 'd2h' bytes copied between host and
         device since the previous step), and more."""
         return dict(self._stats)
+
+
+def plan_for(module: nn.Module, example_inputs, make_opt, config: Config, device: torch.device, comm):
+    """Profile, measure and plan on rank 0; every rank gets rank 0's plan, so all build the same
+    chunks even if their measurements would differ."""
+    import torch.distributed as dist
+
+    from .hardware import probe
+    from .planner import Planner, Target
+    from .profiler import profile
+
+    dtype = DTYPES[config.precision]
+    box = [None]
+    if comm.rank == 0:
+        prof = profile(module, example_inputs, dtype=dtype)
+        hw = probe(device, dtype).with_(device_memory=config.device_memory)
+        target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
+                        optimizer_state_bytes=optimizer_state_bytes(make_opt))
+        planner = Planner(prof, target, chunk_size=None if config.chunk_size == "auto" else config.chunk_size)
+        stage = config.stage if config.stage != "auto" else "auto"
+        best = planner.plan(stage=stage, offload=config.offload == "auto")
+        box[0] = (best, prof, None if best.fits else planner.why_nothing_fits(best))
+    if comm.world > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0) if comm.group else 0)
+    best, prof, why = box[0]
+    if why is not None:
+        raise RuntimeError(f"zeroshard: {why}")
+    return best, prof
+
+
+def optimizer_state_bytes(make_opt) -> int:
+    """Bytes of optimizer state per parameter element, found by stepping the user's optimizer once
+    on a small tensor (AdamW: 8, SGD with momentum: 4)."""
+    if make_opt is None:
+        return 8
+    p = torch.zeros(64, requires_grad=True)
+    p.grad = torch.zeros(64)
+    opt = make_opt([p])
+    opt.step()
+    n = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return max(0, n // p.numel())
 
 
 def direct_params_real(engine: Engine, module: nn.Module):

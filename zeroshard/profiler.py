@@ -1,0 +1,332 @@
+"""The pre-runtime profiler (Elixir section 4): one training step of the model run on the meta device,
+so a model of any size is profiled in seconds without memory and without its weights.
+
+What one profile records (vocabulary used by the planner):
+- trace: every module call that uses parameters, in order: 'forward' (a module's forward),
+  'backward' (its backward is about to run: the moment stage 3 gathers its chunks again) and
+  'recompute' (its forward re-run in backward by activation checkpointing). Each event names the
+  module's direct parameters, exactly the ones stage 3 gathers for it.
+- first use: parameters in order of first use in forward (unused ones last): the chunk packing order.
+- checkpoint region: a run of recompute events; its parameters are needed again, together, while the
+  region's forward is re-run and then its backward.
+- saved bytes: peak bytes of tensors autograd saved for backward (parameters excluded).
+- peak activation bytes: peak bytes of every tensor created during the step that is alive at once
+  (saved tensors, checkpoints, gradients of activations and temporaries), parameters and the inputs
+  excluded. Measured by following each new storage from the operator that made it until it is freed.
+- flops: forward + backward (+ recompute) floating-point operations of the matmul-like operators.
+
+The model may live anywhere (CPU, GPU, meta): the profile swaps meta copies of its parameters and buffers (in the
+compute dtype) into the modules for the step, and puts the real ones back after, untouched.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+log = logging.getLogger("zeroshard")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str  # first fully qualified name
+    numel: int  # elements
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Event:
+    phase: str  # 'forward' | 'backward' | 'recompute'
+    module: str
+    params: tuple[int, ...]  # indices into Profile.params, in the module's registration order
+
+
+@dataclass(frozen=True)
+class CheckpointRegion:
+    modules: tuple[str, ...]
+    params: tuple[int, ...]
+    param_bytes: int  # bytes of these parameters in the compute dtype
+
+
+@dataclass
+class Profile:
+    """One profiled training step. Byte figures are bytes; `*_numel` figures are elements."""
+
+    params: list[ParamInfo]
+    dtype: torch.dtype
+    trace: list[Event]
+    first_use: list[int]
+    checkpoint_regions: list[CheckpointRegion]
+    saved_bytes: int
+    peak_activation_bytes: int
+    buffer_bytes: int
+    flops: int
+    seconds: float
+    tied_numel: int = 0  # elements of parameters registered under more than one name
+    largest_module_numel: int = 0  # most elements of direct parameters of any one module
+    peak_phase: str = field(default="")  # 'forward' or 'backward': where the activation peak is
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def summary(self) -> str:
+        gib = 2**30
+        return (f"{len(self.params)} parameters, {self.numel / 1e9:.3f} B elements; trace of "
+                f"{len(self.trace)} module events; {len(self.checkpoint_regions)} checkpoint regions; "
+                f"saved for backward {self.saved_bytes / gib:.3f} GiB, peak activations "
+                f"{self.peak_activation_bytes / gib:.3f} GiB ({self.peak_phase}); "
+                f"{self.flops / 1e12:.2f} TFLOP per step; profiled in {self.seconds:.2f} s")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Follows every storage created by an operator until it is freed; keeps the peak of their sum.
+    Also counts matmul-like flops with torch's flop formulas."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known = known  # storages that existed before the step (parameters, inputs, buffers)
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_phase = ""
+        self.phase = "forward"
+        self.flops = 0
+        self.assumed = 0  # values of meta tensors read by the model (see _assumed_value)
+
+    def _assumed_value(self, t: torch.Tensor):
+        """A meta tensor has no values, so a model that reads one (`.item()`, `if mask.all():`) gets
+        an assumed one: True for a boolean (such checks usually guard the common case: no padding,
+        no packing), else 0. Said once, since the trace past that point may differ from training."""
+        value = True if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if not self.assumed:
+            log.warning("zeroshard.profile: the model reads a tensor's value (%s); on the meta device "
+                        "there is none, assuming %r. If a branch depends on it, the profile may differ "
+                        "from training; the runtime then falls back (and says so).", t.dtype, value)
+        self.assumed += 1
+        return value
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return self._assumed_value(args[0])
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.live or key in self.known:
+                continue
+            n = st.nbytes()
+            self.live[key] = n
+            self.current += n
+            weakref.finalize(st, self._free, key)
+        if self.current > self.peak:
+            self.peak, self.peak_phase = self.current, self.phase
+        return out
+
+
+def _to_meta(x, dtype):
+    if isinstance(x, torch.Tensor):
+        d = dtype if x.is_floating_point() else x.dtype
+        return torch.empty(x.shape, dtype=d, device="meta")
+    return x
+
+
+def default_loss(out) -> torch.Tensor:
+    """A scalar to run backward from: `out.loss` when the model returns one (transformers models
+    given labels), `out` itself when it is a scalar, else the sum of the first floating output."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    flat, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            return t.float().sum()
+    raise ValueError("zeroshard.profile: the model's output has no floating tensor that requires grad; "
+                     "pass loss_fn=... to say how to get the loss")
+
+
+def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torch.float32,
+            loss_fn=None) -> Profile:
+    """Profile one training step (forward + backward) of `model` on the meta device.
+
+    example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments, as the
+        model is called in training (include labels if the model computes its loss from them). Only
+        their shapes and dtypes are used; floating ones are cast to `dtype` as the engine does.
+    dtype: the compute dtype (torch.float32/bfloat16/float16 or 'fp32'/'bf16'/'fp16').
+    loss_fn: maps the model's output to the scalar loss (default: see `default_loss`).
+    """
+    if isinstance(dtype, str):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    t0 = time.perf_counter()
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), example_inputs
+    elif isinstance(example_inputs, tuple):
+        args, kwargs = example_inputs, {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    args, kwargs = tree_map(lambda x: _to_meta(x, dtype), (args, kwargs))
+
+    # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' slots
+    # for the whole step (backward re-runs checkpointed forwards); tied parameters share one copy.
+    infos, index, meta_of = [], {}, {}
+    for name, p in model.named_parameters():
+        d = dtype if p.is_floating_point() else p.dtype
+        meta_of[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=d, device="meta"), requires_grad=p.requires_grad)
+        index[id(meta_of[id(p)])] = len(infos)
+        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), p.requires_grad))
+    swaps, buffer_bytes, tied_numel = [], 0, 0
+    for m in model.modules():
+        for slots, is_param in ((m._parameters, True), (m._buffers, False)):
+            for n, t in slots.items():
+                if t is None:
+                    continue
+                if is_param:
+                    tied_numel += t.numel()
+                    new = meta_of[id(t)]
+                else:
+                    buffer_bytes += t.numel() * t.element_size()
+                    new = _to_meta(t, t.dtype)
+                swaps.append((slots, n, t, new))
+    tied_numel -= sum(i.numel for i in infos)
+    known = {new.untyped_storage()._cdata for *_, new in swaps}
+    known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+
+    trace: list[Event] = []
+    first_seen: dict[int, None] = {}
+    held: dict[str, set[int]] = {}  # module -> trainable params whose gradient is pending (as stage 3)
+    owners: dict[int, list[str]] = {}
+    state = {"backward": False}
+    direct = {}
+    for mname, m in model.named_modules():
+        ps = [p for p in m._parameters.values() if p is not None]
+        if ps:
+            direct[m] = mname
+    largest = max((sum(p.numel() for p in m._parameters.values() if p is not None) for m in direct), default=0)
+
+    def module_params(m) -> tuple[int, ...]:
+        return tuple(index[id(p)] for p in m._parameters.values() if p is not None and id(p) in index)
+
+    def pre_forward(m, _args):
+        ps = module_params(m)
+        trace.append(Event("recompute" if state["backward"] else "forward", direct[m], ps))
+        if not state["backward"]:
+            for i in ps:
+                first_seen.setdefault(i, None)
+
+    def pre_backward(mname, ps):
+        state["backward"] = True
+        if mname in held:
+            return
+        held[mname] = {i for i in ps if infos[i].requires_grad}
+        for i in ps:
+            owners.setdefault(i, [])
+            if mname not in owners[i]:
+                owners[i].append(mname)
+        trace.append(Event("backward", mname, ps))
+
+    def post_forward(m, _args, out):
+        if torch.is_grad_enabled():
+            ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if ts:
+                register_multi_grad_hook(ts, lambda g, n=direct[m], ps=module_params(m): pre_backward(n, ps),
+                                         mode="any")
+
+    def grad_arrived(p):
+        i = index[id(p)]
+        p.grad = None  # the engine moves gradients into chunks: they do not stay on the parameter
+        for mname in owners.get(i, ()):
+            pending = held.get(mname)
+            if pending is not None:
+                pending.discard(i)
+                if not pending:
+                    del held[mname]
+
+    handles = []
+    for m in direct:
+        handles.append(m.register_forward_pre_hook(pre_forward))
+        handles.append(m.register_forward_hook(post_forward))
+    for p in meta_of.values():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(grad_arrived))
+
+    saved = {"live": {}, "current": 0, "peak": 0}
+
+    def drop_saved(key):
+        saved["current"] -= saved["live"].pop(key, 0)
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in known and key not in saved["live"]:
+            saved["live"][key] = st.nbytes()
+            saved["current"] += st.nbytes()
+            saved["peak"] = max(saved["peak"], saved["current"])
+            weakref.finalize(st, drop_saved, key)
+        return t
+
+    live = _LiveBytes(known)
+    was_training = model.training
+    model.train()
+    for slots, n, _, new in swaps:
+        slots[n] = new
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+            out = model(*args, **kwargs)
+            loss = (loss_fn or default_loss)(out)
+            del out
+            live.phase = "backward"
+            state["backward"] = True
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        for slots, n, old, _ in swaps:
+            slots[n] = old
+        model.train(was_training)
+
+    first_use = list(first_seen) + [i for i in range(len(infos)) if i not in first_seen]
+    regions = []
+    run: list[Event] = []
+    for ev in trace + [Event("end", "", ())]:
+        if ev.phase == "recompute":
+            run.append(ev)
+            continue
+        if run:
+            ps = tuple(dict.fromkeys(i for e in run for i in e.params))
+            regions.append(CheckpointRegion(tuple(e.module for e in run), ps,
+                                            sum(infos[i].numel for i in ps) * _itemsize(dtype)))
+            run = []
+    return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
+                   saved_bytes=saved["peak"], peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
+                   flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,
+                   largest_module_numel=largest, peak_phase=live.peak_phase)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
