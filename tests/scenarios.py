@@ -332,6 +332,60 @@ def offload_memory_bf16_adamw(rank, world):
     return out
 
 
+# -- Elixir: offload="auto" -----------------------------------------------------------------------
+AUTO_CASES = {  # name: (precision, optimizer factory)
+    "fp32_sgd": ("fp32", make_sgd),
+    "fp32_adamw": ("fp32", make_adamw),
+    "bf16_cpuadamw": ("bf16", zeroshard.CPUAdamW),
+}
+
+
+def _auto_caps(world, prec, opt, example):
+    """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
+    ZeRO-3 offload need on the chunks the planner picks at that cap)."""
+    from zeroshard.engine import optimizer_state_bytes
+    from zeroshard.hardware import probe
+    from zeroshard.planner import FRAGMENTATION, Planner, Target
+
+    prof = zeroshard.profile(tiny_gpt2(), example, dtype=prec)
+    hw = probe("cpu")
+
+    def planner(cap):
+        return Planner(prof, Target(hw.with_(device_memory=cap), world=world, accumulation=2,
+                                    optimizer_state_bytes=optimizer_state_bytes(opt)))
+    base = {b.name: b.device_bytes for b in planner(1 << 40).baselines()}
+    tight = int((base["ZeRO-3"] + base["ZeRO-3 offload"]) / 2 / FRAGMENTATION)
+    zero3_need = {b.name: b.device_bytes for b in planner(tight).baselines()}["ZeRO-3"] / FRAGMENTATION
+    return {"generous": 1 << 40, "tight": tight}, zero3_need
+
+
+def _add_auto():
+    for case, (prec, opt) in AUTO_CASES.items():
+        def fn(rank, world, prec=prec, opt=opt):
+            data = batches(3, world, 2, accumulation=2)
+            ref, _, _ = reference(tiny_gpt2(), data, opt)
+            x = data[0, 0, rank]
+            example = {"input_ids": x, "labels": x}
+            caps, zero3_need = _auto_caps(world, prec, opt, example)
+            out = {"zero3_need": zero3_need}
+            for name, cap in caps.items():
+                cfg = {"stage": "auto", "offload": "auto", "precision": prec, "device_memory": cap,
+                       "gradient_accumulation_steps": 2}
+                engine = zeroshard.initialize(tiny_gpt2(), opt, cfg, example_inputs=example)
+                train(engine, data, rank)
+                plan = engine.plan
+                out[name] = {"diff": max_diff(engine.full_state_dict(), ref), "cap": cap, **engine.stats(),
+                             "plan": plan.describe(), "plan_stage": plan.stage, "plan_fits": plan.fits,
+                             "offloaded_chunks": plan.offloaded_chunks,
+                             "predicted_device_model_bytes": plan.device_model_bytes,
+                             "predicted_device_bytes": plan.device_bytes}
+            return out
+        SCENARIOS[f"auto_{case}"] = fn
+
+
+_add_auto()
+
+
 def run_all(rank, world, out_path, only=None):
     results = {}
     for name, fn in SCENARIOS.items():

@@ -1,0 +1,133 @@
+"""The pre-runtime profiler: what it predicts on the meta device against what real tensors do.
+
+Activation figures are checked on real CPU tensors with the same definitions (no tolerance can make
+them agree by construction: the real run executes real kernels, which save and allocate what they
+save and allocate):
+- saved bytes: the peak of distinct storages autograd holds for backward, parameters excluded;
+- peak activation bytes: the peak of bytes of storages created during forward+backward and alive at
+  once (gradients are taken off the parameters as they arrive, as the engine does).
+Both must be within 10% (issue 4, acceptance 1).
+"""
+import weakref
+
+import pytest
+import torch
+
+import zeroshard
+from models import Quirky, tiny_gpt2
+from zeroshard.hooks import FirstUseRecorder
+from zeroshard.profiler import _LiveBytes
+
+
+def measure_real(model, x):
+    """Saved-tensor accounting and live-storage accounting of one real training step on the CPU."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    known = params | {x.untyped_storage()._cdata}
+    saved = {"live": {}, "cur": 0, "peak": 0}
+
+    def drop(k):
+        saved["cur"] -= saved["live"].pop(k, 0)
+
+    def pack(t):
+        st = t.untyped_storage()
+        k = st._cdata
+        if k not in params and k not in saved["live"]:
+            saved["live"][k] = st.nbytes()
+            saved["cur"] += st.nbytes()
+            saved["peak"] = max(saved["peak"], saved["cur"])
+            weakref.finalize(st, drop, k)
+        return t
+
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    live = _LiveBytes(known)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+        loss = model(input_ids=x, labels=x).loss
+        live.phase = "backward"
+        loss.backward()
+        del loss
+    for h in hooks:
+        h.remove()
+    return saved["peak"], live.peak
+
+
+GPT2_CONFIGS = [  # (n_layer, n_embd, vocab, batch, seq, activation checkpointing)
+    (2, 64, 128, 2, 32, False),
+    (4, 256, 512, 4, 128, False),
+    (4, 256, 512, 4, 128, True),
+    (6, 384, 1024, 2, 256, False),
+]
+
+
+@pytest.mark.parametrize("cfg", GPT2_CONFIGS, ids=lambda c: "L{}-E{}-V{}-B{}-S{}{}".format(*c[:5], "-ckpt" * c[5]))
+def test_predicted_activation_bytes_match_real_tensors(cfg):
+    n_layer, n_embd, vocab, batch, seq, ckpt = cfg
+    model = tiny_gpt2(n_layer=n_layer, n_embd=n_embd, vocab=vocab, positions=seq)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    x = torch.randint(0, vocab, (batch, seq))
+    prof = zeroshard.profile(model, {"input_ids": x, "labels": x})
+    saved, peak = measure_real(model, x)
+    assert abs(prof.saved_bytes - saved) <= 0.10 * saved, (prof.saved_bytes, saved)
+    assert abs(prof.peak_activation_bytes - peak) <= 0.10 * peak, (prof.peak_activation_bytes, peak)
+    assert (len(prof.checkpoint_regions) == n_layer) == ckpt
+
+
+def test_profile_touches_no_real_weight_and_runs_on_meta_models():
+    model = tiny_gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 128, (2, 32))
+    prof = zeroshard.profile(model, {"input_ids": x, "labels": x}, dtype="bf16")
+    after = model.state_dict()
+    assert all(after[k].device.type == "cpu" and torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+    with torch.device("meta"):
+        meta_model = tiny_gpt2()
+    meta_prof = zeroshard.profile(meta_model, {"input_ids": x, "labels": x}, dtype="bf16")
+    assert meta_prof.trace == prof.trace and meta_prof.peak_activation_bytes == prof.peak_activation_bytes
+    assert prof.dtype == torch.bfloat16 and prof.element_size == 2
+    assert prof.tied_numel == 128 * 64  # lm_head.weight is wte.weight
+    assert prof.flops > 0
+
+
+def test_trace_and_first_use_order_match_the_runtime():
+    """Quirky registers modules in another order than it uses them, calls one twice, shares a weight
+    and never calls one: the first-use order must be the one the engine records at run time, and the
+    trace must have a forward event per call and a backward event per module that gets gradients."""
+    model = Quirky()
+    x = torch.randn(3, 8)
+    prof = zeroshard.profile(model, x, loss_fn=lambda out: out.pow(2).mean())
+    rec = FirstUseRecorder(model)
+    model(x)
+    rec.remove()
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [prof.params[i].name for i in prof.first_use[:len(rec.order)]] == [names[id(p)] for p in rec.order]
+    assert prof.params[prof.first_use[-1]].name.startswith("unused")
+    fwd = [e.module for e in prof.trace if e.phase == "forward"]
+    assert fwd == ["inp", "block.0", "block.0", "frozen", "shared", "also_shared", "head"]
+    bwd = [e.module for e in prof.trace if e.phase == "backward"]
+    assert bwd[0] == "head" and "unused" not in bwd and set(bwd) <= set(fwd)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_regions_are_detected(reentrant):
+    model = Quirky()
+    x = torch.randn(3, 8)
+    prof = zeroshard.profile(model, (x, reentrant), loss_fn=lambda out: out.pow(2).mean())
+    assert [r.modules for r in prof.checkpoint_regions] == [("block.0",), ("block.0",)]
+    d = 24
+    assert all(r.param_bytes == (d * d + d) * 4 for r in prof.checkpoint_regions)
+
+
+def test_model_reading_values_gets_an_assumed_value_and_a_warning(caplog):
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) if bool((x > -100).all()) else self.b(x)
+
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        prof = zeroshard.profile(Branchy(), torch.randn(2, 4))
+    assert [e.module for e in prof.trace if e.phase == "forward"] == ["a"]
+    assert "assuming True" in caplog.text
