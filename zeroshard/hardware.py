@@ -50,12 +50,14 @@ class Hardware:
     @staticmethod
     def described(gpu_memory: float, h2d: float = 20e9, d2h: float = 20e9, host_adam: float = 2e9,
                   device_adam: float = 50e9, device_flops: float = 150e12, link: float | None = None,
-                  host_memory: float = 512 * GIB, gpus_per_host: int = 1, name: str = "described") -> "Hardware":
+                  host_memory: float = 512 * GIB, gpus_per_host: int = 1, reserve: float = 2 * GIB,
+                  name: str = "described") -> "Hardware":
         """A target machine described by its figures (defaults: a PCIe-attached data-centre GPU:
-        20 GB/s each way, 150 TFLOP/s bf16, fused Adam at 50 G el/s; a host doing 2 G el/s of Adam)."""
+        20 GB/s each way, 150 TFLOP/s bf16, fused Adam at 50 G el/s, 2 GiB kept by the CUDA context
+        and libraries; a host doing 2 G el/s of Adam)."""
         return Hardware(name=name, device_memory=int(gpu_memory), host_memory=int(host_memory), h2d=h2d, d2h=d2h,
                         host_adam=host_adam, device_adam=device_adam, device_flops=device_flops,
-                        link=link if link is not None else h2d, reserve=2 * GIB, gpus_per_host=gpus_per_host)
+                        link=link if link is not None else h2d, reserve=int(reserve), gpus_per_host=gpus_per_host)
 
 
 def cache_dir() -> str:

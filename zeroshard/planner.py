@@ -160,6 +160,7 @@ class Plan:
     activation_bytes: int  # 1.25 x profiled peak, per micro-batch
     other_bytes: int  # driver reserve + buffers
     device_memory: int
+    host_memory: int  # bytes of host memory this rank may use (the host's, shared by its ranks)
     time: StepTime
     flops: float  # per step and rank
     loads: int = 0  # chunk gathers per step
@@ -171,8 +172,16 @@ class Plan:
         return self.device_model_bytes + self.transient_bytes + self.activation_bytes + self.other_bytes
 
     @property
-    def fits(self) -> bool:
+    def fits_device(self) -> bool:
         return self.device_bytes <= FRAGMENTATION * self.device_memory
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_model_bytes <= FRAGMENTATION * self.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
 
     @property
     def offloaded_chunks(self) -> int:
@@ -322,7 +331,8 @@ class Planner:
                     optimizer_on_host=tuple(bool(x) and lay.trainable[i] for i, x in enumerate(on_host)),
                     waste=lay.waste, device_model_bytes=int(dev + cache), host_model_bytes=int(host),
                     transient_bytes=int(transient), activation_bytes=self.activation_bytes,
-                    other_bytes=self.other_bytes, device_memory=hw.device_memory, time=time,
+                    other_bytes=self.other_bytes, device_memory=hw.device_memory,
+                    host_memory=hw.host_memory // t.ranks_per_host if hw.host_memory else 1 << 62, time=time,
                     flops=self.profile.flops * t.accumulation, loads=sum(loads) if stage == 3 else 0)
 
     # -- search -----------------------------------------------------------------------------------------
@@ -340,7 +350,7 @@ class Planner:
         save the most time per byte first (device bytes grow with each, so bisect the count)."""
         n_chunks = len(self.layout.padded)
         everything = self.evaluate(name, stage, blocks, [False] * n_chunks)
-        if everything.fits or not allow_offload:
+        if everything.fits_device or not allow_offload:
             return everything
         order = sorted((c for c in range(n_chunks) if self.layout.trainable[c]),
                        key=lambda c: -self._gain_per_byte(stage, blocks, c))
@@ -351,14 +361,16 @@ class Planner:
                 on_host[c] = False
             return self.evaluate(name, stage, blocks, on_host)
 
-        lo, hi = 0, len(order)  # with_first(lo) is the best known to fit, if any does
+        # Device bytes grow and host bytes shrink with m: the most chunks that fit the device is
+        # also the placement that needs the least host memory.
+        lo, hi = 0, len(order)
         best = with_first(0)
-        if not best.fits:
+        if not best.fits_device:
             return best
         while lo < hi:
             mid = (lo + hi + 1) // 2
             trial = with_first(mid)
-            if trial.fits:
+            if trial.fits_device:
                 lo, best = mid, trial
             else:
                 hi = mid - 1
@@ -379,7 +391,7 @@ class Planner:
         if fitting:
             best = min(fitting, key=lambda p: (p.time.total, p.device_bytes))
         else:
-            best = min(options, key=lambda p: p.device_bytes)
+            best = min(options, key=lambda p: (not p.fits_host, p.device_bytes))
         best.notes.extend(self._tradeoff(best))
         return best
 
@@ -413,12 +425,19 @@ class Planner:
     def why_nothing_fits(self, best: Plan) -> str:
         """What does not fit, and what would."""
         hw = self.target.hardware
+        if best.fits_device and not best.fits_host:
+            return (f"nothing fits: offloading enough to fit the device ({best.describe()}) needs "
+                    f"{fmt_bytes(best.host_model_bytes)} of host memory per rank, and a rank has "
+                    f"{fmt_bytes(best.host_memory)} ({self.target.ranks_per_host} rank(s) per host): more hosts, "
+                    "or devices with more memory.")
         need = best.device_bytes / FRAGMENTATION
         lines = [f"nothing fits in {fmt_bytes(hw.device_memory)} per device: the smallest configuration "
                  f"({best.describe()}) needs {fmt_bytes(need)}."]
+        if self.other_bytes > 0.25 * hw.device_memory:
+            lines.append(f"The driver reserve and buffers alone take {fmt_bytes(self.other_bytes)}.")
         if self.activation_bytes > 0.5 * best.device_bytes:
             lines.append(f"Activations take {fmt_bytes(self.activation_bytes)} (1.25 x the profiled peak): "
-                         "halve the micro-batch (activations scale with it)"
+                         "use a smaller micro-batch (activations scale with it)"
                          + ("" if self.profile.checkpoint_regions else ", or enable activation checkpointing")
                          + ".")
         states = best.device_model_bytes - (best.cache_chunks or 0) * max(self.layout.padded) * self.e_p

@@ -1,0 +1,147 @@
+"""offload="auto" against the four classic ZeRO configurations, in one run, on one device.
+
+    python bench/auto_gpt2.py                                  # on a GPU: a GPT-2 too large without offload
+    python bench/auto_gpt2.py --n-layer 2 --n-embd 128 --batch 2 --seq 64 --device-memory 40MB   # CPU smoke
+
+Model and data as bench/offload_gpt2.py (GPT-2 built on the meta device, bf16, N(0, 0.02) weights,
+activation checkpointing, random tokens; by default on CUDA n_embd 4096 and the fewest layers whose
+16 bytes/parameter exceed the device). Each configuration trains `--warmup` + `--steps` steps with
+CPUAdamW (lr 1e-4) where the optimizer is offloaded, torch AdamW (fused on CUDA) where it is not:
+ZeRO-2, ZeRO-3 (rCache of 4 chunks), ZeRO-2 offload, ZeRO-3 offload (parameters too), and
+offload="auto" (stage "auto"). A configuration that runs out of memory is reported as such.
+
+Printed: per configuration, median step time, model TFLOPS ((6 params + 12 layers n_embd seq) x
+tokens / step time; checkpointing's recomputation not counted, as Elixir and ZeRO-Offload count),
+peak device memory; then auto's speed-up over the best of the four.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zeroshard  # noqa: E402
+from offload_gpt2 import VOCAB, build, gpt2_params  # noqa: E402
+
+
+def parse_bytes(s: str) -> int:
+    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if s.upper().endswith(u):
+            return int(float(s[:-len(u)]) * f)
+    return int(float(s))
+
+
+CONFIGS = {
+    "ZeRO-2": {"stage": 2},
+    "ZeRO-3": {"stage": 3, "cache_chunks": 4},
+    "ZeRO-2 offload": {"stage": 2, "offload_optimizer": True},
+    "ZeRO-3 offload": {"stage": 3, "offload_optimizer": True, "offload_params": True, "cache_chunks": 4},
+    "auto": {"stage": "auto", "offload": "auto"},
+}
+
+
+def run(name, extra, args, n_layer, d, seq, cuda):
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = build(n_layer, d, seq)
+    x0 = torch.randint(0, VOCAB, (args.batch, seq))
+    cfg = {"precision": "bf16", **extra}
+    if args.device_memory:
+        cfg["device_memory"] = args.device_memory
+    if name == "auto" or extra.get("offload_optimizer"):
+        opt = lambda ps: zeroshard.CPUAdamW(ps, lr=1e-4)  # noqa: E731
+    else:
+        opt = lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=cuda)  # noqa: E731
+    t0 = time.perf_counter()
+    engine = zeroshard.initialize(model, opt, cfg, example_inputs={"input_ids": x0, "labels": x0}
+                                  if name == "auto" else None)
+    setup = time.perf_counter() - t0
+    plan = engine.plan.describe() if engine.plan is not None else None
+    if plan:
+        print(f"  {plan}")
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for i in range(args.warmup + args.steps):
+        x = torch.randint(0, VOCAB, (args.batch, seq), generator=g)
+        if cuda and i == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        sync()
+        t = time.perf_counter()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    out = {"step_s": statistics.median(times), "setup_s": setup, "plan": plan,
+           "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+           "device_model_bytes": engine.stats()["device_model_bytes"]}
+    del engine, model
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n-layer", type=int, default=None)
+    ap.add_argument("--n-embd", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device-memory", type=parse_bytes, default=None,
+                    help="cap the planner's device memory (e.g. 40GB); default: the device's")
+    ap.add_argument("--only", nargs="*", default=list(CONFIGS))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev_mem = torch.cuda.get_device_properties(0).total_memory if cuda else None
+    d = args.n_embd or (4096 if cuda else 128)
+    seq = args.seq
+    n_layer = args.n_layer or 2
+    if cuda and args.n_layer is None:
+        while 16 * gpt2_params(n_layer, d, seq) <= 1.05 * dev_mem:
+            n_layer += 1
+    psi = gpt2_params(n_layer, d, seq)
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    print(f"{device}: GPT-2 {n_layer} x {d}, {psi / 1e9:.2f} B parameters, batch {args.batch} x {seq}; "
+          f"16 bytes/param = {16 * psi / 2**30:.1f} GiB" + (f", device {dev_mem / 2**30:.1f} GiB" if cuda else ""))
+    flops_per_step = (6 * psi + 12 * n_layer * d * seq) * args.batch * seq
+    rows = {}
+    for name in args.only:
+        print(f"{name} ...", flush=True)
+        try:
+            r = run(name, CONFIGS[name], args, n_layer, d, seq, cuda)
+            r["tflops"] = flops_per_step / r["step_s"] / 1e12
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+            if "out of memory" not in str(e) and "nothing fits" not in str(e):
+                raise
+            r = {"error": str(e).splitlines()[0][:200]}
+        rows[name] = r
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"\n| config | step s | model TFLOPS | peak device GiB |\n|---|---|---|---|")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | - | - | {r['error']} |")
+        else:
+            peak = f"{r['peak_device_bytes'] / 2**30:.1f}" if r["peak_device_bytes"] else "-"
+            print(f"| {name} | {r['step_s']:.3f} | {r['tflops']:.2f} | {peak} |")
+    base = [r["tflops"] for n, r in rows.items() if n != "auto" and "tflops" in r]
+    if "auto" in rows and "tflops" in rows["auto"] and base:
+        print(f"\nauto: {rows['auto']['tflops']:.2f} TFLOPS = {rows['auto']['tflops'] / max(base):.2f}x the best "
+              f"of the others ({max(base):.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "params": psi, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
