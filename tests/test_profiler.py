@@ -8,46 +8,13 @@ save and allocate):
   once (gradients are taken off the parameters as they arrive, as the engine does).
 Both must be within 10% (issue 4, acceptance 1).
 """
-import weakref
-
 import pytest
 import torch
 
 import zeroshard
 from models import Quirky, tiny_gpt2
 from zeroshard.hooks import FirstUseRecorder
-from zeroshard.profiler import _LiveBytes
-
-
-def measure_real(model, x):
-    """Saved-tensor accounting and live-storage accounting of one real training step on the CPU."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    known = params | {x.untyped_storage()._cdata}
-    saved = {"live": {}, "cur": 0, "peak": 0}
-
-    def drop(k):
-        saved["cur"] -= saved["live"].pop(k, 0)
-
-    def pack(t):
-        st = t.untyped_storage()
-        k = st._cdata
-        if k not in params and k not in saved["live"]:
-            saved["live"][k] = st.nbytes()
-            saved["cur"] += st.nbytes()
-            saved["peak"] = max(saved["peak"], saved["cur"])
-            weakref.finalize(st, drop, k)
-        return t
-
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
-    live = _LiveBytes(known)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
-        loss = model(input_ids=x, labels=x).loss
-        live.phase = "backward"
-        loss.backward()
-        del loss
-    for h in hooks:
-        h.remove()
-    return saved["peak"], live.peak
+from zeroshard.profiler import measure
 
 
 GPT2_CONFIGS = [  # (n_layer, n_embd, vocab, batch, seq, activation checkpointing)
@@ -66,7 +33,8 @@ def test_predicted_activation_bytes_match_real_tensors(cfg):
         model.gradient_checkpointing_enable()
     x = torch.randint(0, vocab, (batch, seq))
     prof = zeroshard.profile(model, {"input_ids": x, "labels": x})
-    saved, peak = measure_real(model, x)
+    real = measure(model, {"input_ids": x, "labels": x})
+    saved, peak = real["saved_bytes"], real["peak_activation_bytes"]
     assert abs(prof.saved_bytes - saved) <= 0.10 * saved, (prof.saved_bytes, saved)
     assert abs(prof.peak_activation_bytes - peak) <= 0.10 * peak, (prof.peak_activation_bytes, peak)
     assert (len(prof.checkpoint_regions) == n_layer) == ckpt

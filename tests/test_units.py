@@ -14,7 +14,7 @@ from zeroshard.config import Config, load_config
 
 # -- config ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key,value,valid", [
-    ("stage", 4, "0, 1, 2 or 3"), ("stage", True, "0, 1, 2 or 3"), ("precision", "fp8", "'bf16'"),
+    ("stage", 4, "0, 1, 2, 3 or 'auto'"), ("stage", True, "0, 1, 2, 3 or 'auto'"), ("precision", "fp8", "'bf16'"),
     ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),
     ("chunk_size", "big", "'auto'"), ("cache_chunks", 0, ">= 1"), ("prefetch", 1, "true or false"),
 ])
@@ -92,7 +92,7 @@ def test_chunk_stage12_params_are_views_and_fp32_master_aliases_storage():
 # -- cache ----------------------------------------------------------------------------------------
 class _FakeChunk:
     def __init__(self, i):
-        self.index, self.state, self.gathers = i, ChunkState.SHARDED, 0
+        self.index, self.state, self.gathers, self.full_bytes = i, ChunkState.SHARDED, 0, 100
 
     def start_gather(self, comm):
         self.state, self.gathers = ChunkState.GATHERING, self.gathers + 1

@@ -110,13 +110,13 @@ class ChunkCache:
             self.comm.check_order(order_tag(GATHER, chunk.index))
         chunk.start_gather(self.comm)
         self.cached[chunk.index] = chunk
-        self._bytes += chunk.full.numel() * chunk.full.element_size()
+        self._bytes += chunk.full_bytes
         self.peak = max(self.peak, len(self.cached))
         self.peak_bytes = max(self.peak_bytes, self._bytes)
 
     def _evict(self, index: int) -> None:
         c = self.cached.pop(index)
-        self._bytes -= c.full.numel() * c.full.element_size()
+        self._bytes -= c.full_bytes
         c.release()
 
     def _evictable(self):

@@ -163,6 +163,11 @@ class Chunk:
         if stage != 3:
             self.bind_params()
 
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the whole chunk in the compute dtype (what one gathered copy occupies)."""
+        return self.padded_numel * torch.tensor([], dtype=self.dtype).element_size()
+
     # -- parameters ---------------------------------------------------------------------------
     def bind_params(self) -> None:
         """Point every parameter's data at its view of the full chunk."""

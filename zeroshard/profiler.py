@@ -147,6 +147,73 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+class _SavedBytes:
+    """Saved-tensor accounting: the peak bytes of distinct storages autograd holds for backward,
+    storages in `known` (parameters) excluded."""
+
+    def __init__(self, known: set[int]):
+        self.known = known
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key not in self.known and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._drop, key)
+        return t
+
+
+def _split_inputs(example_inputs):
+    if isinstance(example_inputs, dict):
+        return (), example_inputs
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    return (example_inputs,), {}
+
+
+def measure(model: nn.Module, example_inputs, *, loss_fn=None) -> dict[str, int]:
+    """The same figures as `profile` measured on real tensors: run one real training step of
+    `model` where it lives (inputs are moved there) and return {'saved_bytes', 'peak_activation_bytes'}
+    (and, on CUDA, 'cuda_peak_bytes': torch.cuda.max_memory_allocated over the step, minus what was
+    allocated before it). Gradients are taken off the parameters as they arrive, as the engine does.
+    For checking the profiler; it needs the memory the step needs."""
+    device = next(model.parameters()).device
+    args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
+                            _split_inputs(example_inputs))
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    known = params | {b.untyped_storage()._cdata for b in model.buffers()}
+    known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in model.parameters() if p.requires_grad]
+    saved, live = _SavedBytes(params), _LiveBytes(known)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live:
+            loss = (loss_fn or default_loss)(model(*args, **kwargs))
+            live.phase = "backward"
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {"saved_bytes": saved.peak, "peak_activation_bytes": live.peak}
+    if cuda:
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    return out
+
+
 def _to_meta(x, dtype):
     if isinstance(x, torch.Tensor):
         d = dtype if x.is_floating_point() else x.dtype
@@ -183,12 +250,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     t0 = time.perf_counter()
-    if isinstance(example_inputs, dict):
-        args, kwargs = (), example_inputs
-    elif isinstance(example_inputs, tuple):
-        args, kwargs = example_inputs, {}
-    else:
-        args, kwargs = (example_inputs,), {}
+    args, kwargs = _split_inputs(example_inputs)
     args, kwargs = tree_map(lambda x: _to_meta(x, dtype), (args, kwargs))
 
     # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' slots
@@ -274,20 +336,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_arrived))
 
-    saved = {"live": {}, "current": 0, "peak": 0}
-
-    def drop_saved(key):
-        saved["current"] -= saved["live"].pop(key, 0)
-
-    def pack(t):
-        st = t.untyped_storage()
-        key = st._cdata
-        if key not in known and key not in saved["live"]:
-            saved["live"][key] = st.nbytes()
-            saved["current"] += st.nbytes()
-            saved["peak"] = max(saved["peak"], saved["current"])
-            weakref.finalize(st, drop_saved, key)
-        return t
+    saved = _SavedBytes(known)
 
     live = _LiveBytes(known)
     was_training = model.training
@@ -295,7 +344,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     for slots, n, _, new in swaps:
         slots[n] = new
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live:
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
             del out
@@ -323,7 +372,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
                                             sum(infos[i].numel for i in ps) * _itemsize(dtype)))
             run = []
     return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
-                   saved_bytes=saved["peak"], peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
+                   saved_bytes=saved.peak, peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
                    flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,
                    largest_module_numel=largest, peak_phase=live.peak_phase)
 
