@@ -473,29 +473,6 @@ def _table(plans) -> str:
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
 
-def _extra_reasons(planner, plan) -> list[str]:
-    """What `why_nothing_fits` does not cover: a driver reserve that alone takes the device."""
-    from .hardware import GIB
-    from .planner import FRAGMENTATION
-    hw = planner.target.hardware
-    out = []
-    if hw.reserve >= FRAGMENTATION * hw.device_memory:
-        out.append(f"The driver reserve alone ({hw.reserve / GIB:.2f} GiB, --reserve) takes the usable "
-                   f"{FRAGMENTATION * hw.device_memory / GIB:.2f} GiB.")
-    return out
-
-
-def _host_warning(planner, plan) -> str | None:
-    from .hardware import GIB
-    hw, t = planner.target.hardware, planner.target
-    per_host = plan.host_model_bytes * t.ranks_per_host
-    if per_host > hw.host_memory:
-        return (f"warning: the host holds {per_host / GIB:.1f} GiB of offloaded model states "
-                f"({t.ranks_per_host} rank(s) x {plan.host_model_bytes / GIB:.1f} GiB) but has "
-                f"{hw.host_memory / GIB:.0f} GiB (--host-memory); the planner does not check host memory")
-    return None
-
-
 def cmd_plan(args) -> int:
     import torch
     from .planner import Planner, Target
@@ -507,7 +484,9 @@ def cmd_plan(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            prof = profile(loaded.model, inputs, dtype=args.precision)
+            # A GPU target (described, or this machine's) profiles attention as a GPU runs it.
+            gpu = args.gpu_memory is not None or torch.cuda.is_available()
+            prof = profile(loaded.model, inputs, dtype=args.precision, device="cuda" if gpu else "cpu")
     except Exception as e:  # noqa: BLE001: most often inputs that do not suit the model
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UsageError(f"profiling {args.model} on the meta device failed ({input_words}): "
@@ -517,8 +496,7 @@ def cmd_plan(args) -> int:
     baselines = planner.baselines()
     why = None
     if not plan.fits:
-        why = " ".join([planner.why_nothing_fits(plan)] + _extra_reasons(planner, plan))
-    host_warning = _host_warning(planner, plan)
+        why = planner.why_nothing_fits(plan)
 
     if args.json:
         facts = {
@@ -532,7 +510,6 @@ def cmd_plan(args) -> int:
             "plan": _plan_facts(plan), "baselines": [_plan_facts(b) for b in baselines],
             "search_seconds": planner.search_seconds, "chunk_candidates": len(planner.candidates),
             "padding_waste": planner.layout.waste, "fits": plan.fits, "why_nothing_fits": why,
-            "host_warning": host_warning,
         }
         print(json.dumps(facts, indent=1))
         return 0 if plan.fits else 2
@@ -550,8 +527,6 @@ def cmd_plan(args) -> int:
         print(f"  note: {note}")
     print(f"chunk search: {len(planner.candidates)} candidate sizes in {planner.search_seconds:.2f} s; "
           f"padding waste {planner.layout.waste:.2%}")
-    if host_warning:
-        print(host_warning)
     print()
     print(_table(baselines + [plan]))
     if why:

@@ -442,7 +442,7 @@ def plan_for(module: nn.Module, example_inputs, make_opt, config: Config, device
     dtype = DTYPES[config.precision]
     box = [None]
     if comm.rank == 0:
-        prof = profile(module, example_inputs, dtype=dtype)
+        prof = profile(module, example_inputs, dtype=dtype, device=device)
         hw = probe(device, dtype).with_(device_memory=config.device_memory)
         target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
                         optimizer_state_bytes=optimizer_state_bytes(make_opt))

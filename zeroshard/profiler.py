@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -214,6 +215,67 @@ def measure(model: nn.Module, example_inputs, *, loss_fn=None) -> dict[str, int]
     return out
 
 
+class _AttentionAsOnDevice:
+    """scaled_dot_product_attention picks its kernel by device; on meta it always decomposes into
+    the math kernel, which saves the whole attention matrix (seq^2 per head) where flash attention
+    saves one row statistic. So ask the device that will train which kernel it would use (on empty
+    tensors of the same shapes with batch 1: CPU pages are never touched) and call that kernel on
+    the meta tensors. For a GPU not present here: flash attention in 16-bit without a mask, else
+    memory-efficient attention.
+
+    For the duration of the profile, torch.nn.functional.scaled_dot_product_attention is replaced
+    (meta tensors only; anything else goes to the original). A torch function mode would be cleaner
+    but does not reach the forwards that activation checkpointing re-runs inside backward, and a
+    recomputation that picks another kernel than its forward is an error. Code that bound the
+    function at import time (`from torch.nn.functional import scaled_dot_product_attention`) is not
+    reached either and is profiled with the math kernel: an overestimate, never an underestimate."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.original = None
+
+    def __enter__(self):
+        self.original = F.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            out = self._sdpa(*args, **kwargs)
+            return self.original(*args, **kwargs) if out is None else out
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.original
+
+    def _choice(self, q, k, v, mask, dropout_p, is_causal, scale) -> int:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            return 1 if q.dtype in (torch.float16, torch.bfloat16) and mask is None else 2
+
+        def real(t):
+            if t is None:
+                return None
+            shape = (1,) + tuple(t.shape[1:]) if t.dim() > 0 else ()
+            return torch.empty(shape, dtype=t.dtype, device=self.device).requires_grad_(t.requires_grad)
+
+        return torch._fused_sdp_choice(real(q), real(k), real(v), real(mask), dropout_p, is_causal, scale=scale)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if query.device.type != "meta" or enable_gqa:
+            return None
+        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        aten = torch.ops.aten
+        if choice == 1 and self.device.type == "cpu":
+            return aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if choice == 1 and attn_mask is None:
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                            scale=scale)[0]
+        if choice == 2:
+            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
+                                                                dropout_p, is_causal, scale=scale)[0]
+        return None  # math: the meta decomposition is that kernel
+
+
 def _to_meta(x, dtype):
     if isinstance(x, torch.Tensor):
         d = dtype if x.is_floating_point() else x.dtype
@@ -238,7 +300,7 @@ def default_loss(out) -> torch.Tensor:
 
 
 def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torch.float32,
-            loss_fn=None) -> Profile:
+            loss_fn=None, device: torch.device | str | None = None) -> Profile:
     """Profile one training step (forward + backward) of `model` on the meta device.
 
     example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments, as the
@@ -246,6 +308,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         their shapes and dtypes are used; floating ones are cast to `dtype` as the engine does.
     dtype: the compute dtype (torch.float32/bfloat16/float16 or 'fp32'/'bf16'/'fp16').
     loss_fn: maps the model's output to the scalar loss (default: see `default_loss`).
+    device: the device that will train ('cuda' or 'cpu'; default: CUDA when present): operators
+        that choose their kernel by device (attention) choose as they will there.
     """
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -338,13 +402,16 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
 
     saved = _SavedBytes(known)
 
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     live = _LiveBytes(known)
     was_training = model.training
     model.train()
     for slots, n, _, new in swaps:
         slots[n] = new
     try:
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live, \
+                _AttentionAsOnDevice(torch.device(device)):
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
             del out
