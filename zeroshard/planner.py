@@ -14,7 +14,7 @@ Vocabulary (formulas in ../shared/notes/elixir-search.md, reworked for this runt
   16-bit shard too, uploaded on each gather), and steps on the CPU.
 
 The search: (1) chunk size: over candidate sizes, the one that moves the fewest bytes through a cache
-filling the budget (loads x size), ties to less padding; (2) for each cache size k (all chunks cached
+filling the budget (loads x size; within 1% of the least, the smallest size); (2) for each cache size k (all chunks cached
 is ZeRO-2; fewer is ZeRO-3 with an rCache of k blocks), put as many chunks' optimizer states on the
 device as the memory left allows, the chunks that save the most time per byte first; predict the step
 time of each and keep the fastest that fits. Growing the cache and keeping optimizer states on the
@@ -263,7 +263,10 @@ class Planner:
             moved = sum(n * lay.padded[c] for c, n in enumerate(belady_loads(seq, blocks)[0]))
             results.append((size, moved, lay.waste, over))
         fitting = [r for r in results if not r[3]] or results
-        best = min(fitting, key=lambda r: (r[1], r[2], r[0]))
+        least = min(r[1] for r in fitting)
+        # Within 1% of the least traffic (often a tie: every size fits the whole model in the cache),
+        # the smallest size: finer chunks let the planner place optimizer states more finely.
+        best = min((r for r in fitting if r[1] <= 1.01 * least), key=lambda r: (r[0], r[2]))
         return best[0], [r[:3] for r in results]
 
     # -- one configuration ---------------------------------------------------------------------------
