@@ -29,15 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroshard  # noqa: E402
+from zeroshard.cli import size  # noqa: E402
 from offload_gpt2 import VOCAB, build, gpt2_params  # noqa: E402
-
-
-def parse_bytes(s: str) -> int:
-    units = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    for u, f in sorted(units.items(), key=lambda kv: -len(kv[0])):
-        if s.upper().endswith(u):
-            return int(float(s[:-len(u)]) * f)
-    return int(float(s))
 
 
 CONFIGS = {
@@ -95,7 +88,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--device-memory", type=parse_bytes, default=None,
+    ap.add_argument("--device-memory", type=size, default=None,
                     help="cap the planner's device memory (e.g. 40GB); default: the device's")
     ap.add_argument("--only", nargs="*", default=list(CONFIGS))
     ap.add_argument("--json")

@@ -282,8 +282,7 @@ class Planner:
     def evaluate(self, name: str, stage: int, blocks: int | None, on_host: list[bool]) -> Plan:
         """Predicted memory and time of one configuration. `blocks`: rCache blocks (stage 3)."""
         lay, t, hw, e_p = self.layout, self.target, self.target.hardware, self.e_p
-        n, st = t.world, t.optimizer_state_bytes
-        fp32 = e_p == 4
+        n = t.world
         dev = host = 0
         moved_params = 0.0  # elements all-gathered per step
         uploads = grads_down = steps_up = 0.0  # bytes per step
@@ -297,8 +296,7 @@ class Planner:
             elif not off:
                 dev += s * e_p
             if lay.trainable[c]:
-                master = 0 if fp32 and (stage == 3 or not off) else MASTER_BYTES * s
-                states = s * e_p + master + st * s  # gradient shard, master, optimizer states
+                states = self._optimizer_side_bytes(stage, s, off)
                 if off:
                     host += states + (s * e_p if stage == 3 else 0)
                     host_el += s
@@ -345,8 +343,15 @@ class Planner:
         s = self.layout.padded[c] // t.world
         saved = s * t.ranks_per_host / hw.host_adam - s / hw.device_adam + t.accumulation * s * e_p / hw.d2h
         saved += (self.loads(blocks)[c] * t.accumulation if stage == 3 else 1) * s * e_p / hw.h2d
-        cost = s * (e_p + MASTER_BYTES * (e_p != 4) + t.optimizer_state_bytes) + (s * e_p if stage == 3 else 0)
+        cost = self._optimizer_side_bytes(stage, s, False) + (s * e_p if stage == 3 else 0)
         return saved / cost
+
+    def _optimizer_side_bytes(self, stage: int, shard: int, on_host: bool) -> int:
+        """Bytes a trainable chunk keeps beside its optimizer: the gradient shard, the fp32 master
+        (none in fp32 when it can be the compute shard itself) and the optimizer states."""
+        e_p = self.e_p
+        master = 0 if e_p == 4 and (stage == 3 or not on_host) else MASTER_BYTES * shard
+        return shard * e_p + master + self.target.optimizer_state_bytes * shard
 
     def _best_placement(self, name: str, stage: int, blocks: int | None, allow_offload: bool) -> Plan:
         """With this cache, keep as many chunks' optimizer states on the device as fit, those that
