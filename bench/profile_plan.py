@@ -30,7 +30,7 @@ def main() -> None:
     t_import = time.perf_counter() - t
     transformers.logging.set_verbosity_error()
     import zeroshard
-    from zeroshard.hardware import GIB, Hardware
+    from zeroshard.hardware import Hardware
     from zeroshard.planner import Planner, Target
     from zeroshard.profiler import measure
 

@@ -173,8 +173,8 @@ class ChunkCache:
                         "order cannot be followed the cache evicts the least recently used chunk and does "
                         "not prefetch. Logged once; stats()['schedule_departures'] counts them.",
                         self.source, index, expected, self.cursor, len(self.schedule))
-        k = bisect.bisect_left(self._positions.get(index, ()), self.cursor)
         pos = self._positions.get(index, ())
+        k = bisect.bisect_left(pos, self.cursor)
         if k < len(pos):
             self.cursor = pos[k] + 1
             self.off_schedule = False
