@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from .checkpoint import CheckpointError
 from .collectives import DivergedError
 from .config import Config, load_config
 from .cpu_adam import CPUAdamW
@@ -20,8 +21,8 @@ from .engine import Engine
 from .hooks import ShardedParameterError
 from .profiler import Profile, profile
 
-__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "DivergedError",
-           "ShardedParameterError"]
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
+           "DivergedError", "ShardedParameterError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

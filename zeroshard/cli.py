@@ -4,6 +4,9 @@
                          [--h2d 20GB/s] [--d2h 20GB/s] [--cpu-adam 2e9] [--gpu-adam 50e9]
                          [--tflops 150] [--link 100GB/s] [--precision bf16] [--checkpointing]
                          [--accumulation 1] [--json]
+    zeroshard export CKPT OUT [--dtype bf16] [--no-verify]
+
+`export` writes a checkpoint's model as one safetensors file (see zeroshard/export.py).
 
 `plan` profiles one training step of MODEL on the meta device (no memory, no weights, seconds even
 for a 175B model), then asks the planner for the fastest configuration that fits the target and
@@ -132,7 +135,8 @@ def shape(text: str) -> tuple[int, ...]:
 # -- the parser -------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeroshard", description="zeroshard: ZeRO data parallelism for any "
-                                     "torch.nn.Module. Commands: `zeroshard plan MODEL ...` (see `zeroshard plan -h`).")
+                                     "torch.nn.Module. Commands: `zeroshard plan MODEL ...` (see `zeroshard plan -h`), "
+                                     "`zeroshard export CKPT OUT` (see `zeroshard export -h`).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p = sub.add_parser(
         "plan", help="profile a model on the meta device and plan ZeRO stage, chunks, cache and offload",
@@ -180,7 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-offload", action="store_true", help="keep every optimizer state on the GPU")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_plan, subparser=p)
+
+    e = sub.add_parser(
+        "export", help="write a checkpoint's model as one safetensors file (a from_pretrained folder for "
+        "transformers models)",
+        description="Write the model of checkpoint CKPT to OUT as one safetensors file with the model's own "
+        "state_dict keys, streaming from the shards (the model is never whole in memory). For a transformers "
+        "model OUT is a folder with model.safetensors and config.json, which from_pretrained opens. OUT ending "
+        "in .safetensors is the file itself. "
+        "Exit status: 0 on success, 2 when the checkpoint is missing or damaged or the input is bad.")
+    e.add_argument("ckpt", metavar="CKPT", help="a checkpoint root (its 'latest' is exported) or a checkpoint "
+                   "directory")
+    e.add_argument("out", metavar="OUT", help="output folder, or a .safetensors file")
+    e.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="convert floating tensors "
+                   "(default: as saved, the fp32 master weights)")
+    e.add_argument("--no-verify", action="store_true", help="skip checking every file's checksum first")
+    e.set_defaults(func=cmd_export, subparser=e)
     return parser
+
+
+def cmd_export(args) -> int:
+    import torch
+
+    from .checkpoint import CheckpointError
+    from .export import export
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    try:
+        export(args.ckpt, args.out, dtype=dtype, verify=not args.no_verify)
+    except CheckpointError as err:
+        raise UsageError(str(err).removeprefix("zeroshard: ")) from None
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,23 @@ class Comm:
             dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
                            group=self.group)
 
+    def broadcast_object(self, obj, src: int = 0):
+        """Rank `src`'s picklable `obj`, on every rank (set-up and checkpoints, not steps)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                   group=self.group)
+        return box[0]
+
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def control_all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         """A small all-reduce that carries no model data (overflow flag, squared norm)."""
         if self.world > 1:

@@ -385,6 +385,26 @@ class Engine:
                 out[key] = self.module.get_buffer(key).detach().cpu().clone()
         return out
 
+    def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Collective: save model, optimizer states, loss scale, step counters, RNG states, the config
+        and `client_state` (any picklable dict, e.g. the data position) as checkpoint `tag` (default
+        `step<N>`) in directory `root`, every rank writing its own shards; then point root/latest at
+        it. Atomic: a crash leaves the previous checkpoint and `latest` as they were. Call it after
+        step(), not between the micro-batches of an accumulation window. Returns the checkpoint's
+        directory. Any world size, stage, chunk size or offload setting can load it
+        (`load_checkpoint`); `zeroshard export` turns it into one safetensors file."""
+        from .checkpoint import save
+        return save(self, root, tag, client_state)
+
+    def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
+        """Collective: load a checkpoint into this engine: `path` is a root (its `latest`, or `tag`)
+        or a checkpoint directory. Checks every file's size and checksum and that the checkpoint is of
+        this model before changing anything (CheckpointError naming the damaged files or the
+        mismatched parameters otherwise). load_optimizer=False loads only the model (and buffers,
+        counters, RNG): the optimizer starts afresh. Returns the saved `client_state` ({} if none)."""
+        from .checkpoint import load
+        return load(self, path, tag, load_optimizer)
+
     def _record_stats(self, applied: bool) -> None:
         opt_bytes = self.optim.state_bytes()
         by_kind = {"params": 0, "grads": 0, "optimizer": sum(opt_bytes.values())}
@@ -433,14 +453,12 @@ class Engine:
 def plan_for(module: nn.Module, example_inputs, make_opt, config: Config, device: torch.device, comm):
     """Profile, measure and plan on rank 0; every rank gets rank 0's plan, so all build the same
     chunks even if their measurements would differ."""
-    import torch.distributed as dist
-
     from .hardware import probe
     from .planner import Planner, Target
     from .profiler import profile
 
     dtype = DTYPES[config.precision]
-    box = [None]
+    mine = None
     if comm.rank == 0:
         prof = profile(module, example_inputs, dtype=dtype, device=device)
         hw = probe(device, dtype).with_(device_memory=config.device_memory)
@@ -449,10 +467,8 @@ def plan_for(module: nn.Module, example_inputs, make_opt, config: Config, device
         planner = Planner(prof, target, chunk_size=None if config.chunk_size == "auto" else config.chunk_size)
         stage = config.stage if config.stage != "auto" else "auto"
         best = planner.plan(stage=stage, offload=config.offload == "auto")
-        box[0] = (best, prof, None if best.fits else planner.why_nothing_fits(best))
-    if comm.world > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(comm.group, 0) if comm.group else 0)
-    best, prof, why = box[0]
+        mine = (best, prof, None if best.fits else planner.why_nothing_fits(best))
+    best, prof, why = comm.broadcast_object(mine)
     if why is not None:
         raise RuntimeError(f"zeroshard: {why}")
     return best, prof

@@ -1,0 +1,318 @@
+"""Checkpoints: resume bit for bit, load at another world size / stage / offload setting, survive a
+save killed part-way, refuse damaged files and other models, export to safetensors.
+
+Resume (the straight run and the resumed run do the same arithmetic in the same order): every
+parameter equal bit for bit (torch.equal), for stages 0-3, with and without offload, fp32, bf16 and
+fp16, SGD and AdamW, with dropout (RNG restored) and with gradient accumulation, at world 2.
+Another topology: saved at world 2 stage 3, loaded at world 3 stage 1 (also stage 2 with the
+optimizer offloaded) and world 1 stage 0, trained on the same global batches: SGD within 1e-6 of
+both the single-process reference and the world-2 straight run (only summation order differs);
+AdamW within 3e-5 (tests/test_parity.py explains that bound).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import zeroshard
+import zeroshard.cli
+from checkpoint_scenarios import (CASES, HALF, STEPS, global_data, killed_save, resume_cases, resume_topology,
+                                  save_cases, save_topology)
+from distributed import spawn
+from models import make_adamw, make_sgd, reference, tiny_gpt2
+from zeroshard.checkpoint import row_major_boxes
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    spawn(WORLD, save_cases, str(root), str(root / "saved.json"))
+    spawn(WORLD, save_topology, str(root), str(root / "topo_saved.json"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def resumed(saved):
+    spawn(WORLD, resume_cases, str(saved), str(saved / "resumed.json"))
+    return json.loads((saved / "resumed.json").read_text())
+
+
+def ok(results, name):
+    got = results[name]
+    assert "error" not in got, f"{name}: {got['error']}\n{got.get('traceback')}"
+    return got
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_is_bit_for_bit(saved, resumed, case):
+    saves = json.loads((saved / "saved.json").read_text())
+    assert ok(saves, case)["steps"] > 0
+    got = ok(resumed, case)
+    assert got["bitwise"], (case, got["max_diff"])
+    assert got["client_state"] == {"next_step": HALF, "saved_by_world": WORLD}
+    assert got["steps_loaded"] == saves[case]["steps"]
+
+
+def test_fp16_loss_scale_moved(resumed):
+    # window 2 from 2**14: the scale doubles every 2 clean steps, so it moved before the save, and the
+    # bit-for-bit resume above holds only if the scale and its clean-step count came back
+    assert ok(resumed, "stage2_none_fp16")["loss_scale"] > 2.0**14
+
+
+TARGETS = {
+    3: {"sgd_stage1": ("sgd", {"stage": 1, "chunk_size": 5000}),
+        "adamw_stage1": ("adamw", {"stage": 1, "chunk_size": 5000}),
+        "adamw_stage2_offload": ("adamw", {"stage": 2, "offload_optimizer": True})},
+    1: {"sgd_stage0": ("sgd", {"stage": 0}),
+        "adamw_stage0": ("adamw", {"stage": 0}),
+        "sgd_stage3_offload": ("sgd", {"stage": 3, "chunk_size": 30000, "offload_optimizer": True,
+                                       "offload_params": True})},
+}
+TOL = {"sgd": 1e-6, "adamw": 3e-5}
+
+
+@pytest.fixture(scope="module")
+def references():
+    data = global_data()
+    return {name: reference(tiny_gpt2(), data, opt)[0] for name, opt in (("sgd", make_sgd), ("adamw", make_adamw))}
+
+
+@pytest.mark.parametrize("world", sorted(TARGETS))
+def test_load_at_another_world_stage_and_offload(saved, references, world):
+    topo = json.loads((saved / "topo_saved.json").read_text())
+    for name in ("sgd", "adamw"):
+        ok(topo, name)
+    out = saved / f"topo_resumed{world}.json"
+    spawn(world, resume_topology, str(saved), str(out), TARGETS[world])
+    results = json.loads(out.read_text())
+    for label, (name, _) in TARGETS[world].items():
+        assert ok(results, label)["stats"]["world_size"] == world
+        got = torch.load(saved / f"topo_{label}.resumed{world}.pt")
+        straight = torch.load(saved / f"topo_{name}.straight{WORLD}.pt")
+        for want in (references[name], straight):
+            diff = max((got[k] - want[k]).abs().max().item() for k in want)
+            assert diff <= TOL[name], (label, diff)
+
+
+# -- crashes, damage, other models ---------------------------------------------------------------------
+def _fresh(seed=3, **cfg):
+    return zeroshard.initialize(tiny_gpt2(seed=seed), make_adamw, {"stage": 2, "chunk_size": 20000, **cfg})
+
+
+@pytest.mark.parametrize("point,world", [("write", 2), ("metadata", 2), ("commit", 1), ("latest", 1),
+                                         ("replace", 1)])
+def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, point, world):
+    root = tmp_path / "root"
+    with pytest.raises(Exception, match="exit code 17|exited with code 17|signal"):
+        spawn(world, killed_save, str(root), point)
+    want = torch.load(tmp_path / "A.pt")
+    engine = _fresh()
+    assert engine.load_checkpoint(root) == {"next_step": HALF}
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), point
+    assert engine.steps == HALF
+    tag_a = "keep" if point == "replace" else f"step{HALF}"
+    assert set(os.listdir(root)) - {"latest", tag_a}, "the killed save left nothing: it did not get far enough"
+    engine.save_checkpoint(root, tag="after")
+    assert not [n for n in os.listdir(root) if n.startswith(".")]  # leftovers cleared (or put back)
+    assert (root / "latest").read_text().strip() == "after"
+    assert (root / tag_a).is_dir()
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one")
+    engine = _fresh(seed=0)
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    path = engine.save_checkpoint(root / "ckpt")
+    return path, engine.full_state_dict()
+
+
+def _damaged(one_checkpoint, tmp_path, how):
+    src, _ = one_checkpoint
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    how(path)
+    return path
+
+
+def flip(name, at=0.5):
+    def how(path):
+        p = path / name
+        data = bytearray(p.read_bytes())
+        data[int(len(data) * at)] ^= 0x55
+        p.write_bytes(bytes(data))
+    return how
+
+
+def truncate(name):
+    def how(path):
+        p = path / name
+        p.write_bytes(p.read_bytes()[:-100])
+    return how
+
+
+@pytest.mark.parametrize("damage,name,words", [
+    (flip("__0_0.distcp"), "__0_0.distcp", "checksum mismatch"),
+    (flip("__0_0.distcp", 0.99), "__0_0.distcp", "checksum mismatch"),
+    (truncate("__0_0.distcp"), "__0_0.distcp", "truncated"),
+    (flip(".metadata"), ".metadata", "checksum mismatch"),
+    (flip("extra.pt"), "extra.pt", "checksum mismatch"),
+    (flip("zeroshard.json"), "zeroshard.json", "checksum mismatch"),
+    (lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp", "missing"),
+    (lambda p: os.remove(p / "checksums.json"), "checksums.json", "did not finish"),
+    (lambda p: (p / "checksums.json").write_text("{"), "checksums.json", "damaged"),
+])
+def test_damaged_files_are_named_and_nothing_is_loaded(one_checkpoint, tmp_path, damage, name, words):
+    path = _damaged(one_checkpoint, tmp_path, damage)
+    engine = _fresh(seed=5)
+    before = engine.full_state_dict()
+    with pytest.raises(zeroshard.CheckpointError, match=words) as err:
+        engine.load_checkpoint(path)
+    assert name in str(err.value)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert engine.steps == 0
+
+
+def test_export_names_the_damaged_file(one_checkpoint, tmp_path, capsys):
+    path = _damaged(one_checkpoint, tmp_path, flip("__0_0.distcp"))
+    assert zeroshard.cli.main(["export", str(path), str(tmp_path / "out")]) == 2
+    assert "__0_0.distcp" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_latest_naming_nothing(one_checkpoint, tmp_path):
+    (tmp_path / "latest").write_text("gone\n")
+    with pytest.raises(zeroshard.CheckpointError, match="names 'gone'"):
+        _fresh().load_checkpoint(tmp_path)
+    with pytest.raises(zeroshard.CheckpointError, match="neither"):
+        _fresh().load_checkpoint(tmp_path / "..")
+
+
+def test_another_model_lists_the_mismatched_keys(one_checkpoint):
+    path, _ = one_checkpoint
+    bigger = zeroshard.initialize(tiny_gpt2(n_layer=3), make_adamw, {"stage": 2})
+    with pytest.raises(zeroshard.CheckpointError, match="another model") as err:
+        bigger.load_checkpoint(path)
+    assert "in this model, not in the checkpoint (" in str(err.value)
+    assert "transformer.h.2.attn.c_attn.weight" in str(err.value)
+    wider = zeroshard.initialize(tiny_gpt2(vocab=256), make_adamw, {"stage": 2})
+    with pytest.raises(zeroshard.CheckpointError, match=r"transformer.wte.weight \(128, 64\) in the checkpoint, "
+                                                        r"\(256, 64\) here"):
+        wider.load_checkpoint(path)
+
+
+def test_save_inside_an_accumulation_window_is_refused(tmp_path):
+    engine = _fresh(gradient_accumulation_steps=2)
+    x = torch.randint(0, 128, (2, 32))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    with pytest.raises(zeroshard.CheckpointError, match="accumulation window"):
+        engine.save_checkpoint(tmp_path)
+    with pytest.raises(zeroshard.CheckpointError, match="plain name"):
+        _fresh().save_checkpoint(tmp_path, tag="../x")
+
+
+def test_load_model_only(one_checkpoint):
+    path, want = one_checkpoint
+    engine = zeroshard.initialize(tiny_gpt2(seed=4), make_sgd, {"stage": 3, "chunk_size": 9000})
+    engine.load_checkpoint(path, load_optimizer=False)  # an SGD optimizer, an AdamW checkpoint
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not engine.optimizer.state
+
+
+# -- export -------------------------------------------------------------------------------------------------
+def test_export_loads_strict_and_equals_full_state_dict(saved, tmp_path):
+    root = saved / "stage3_opt+params_bf16"  # saved at world 2, stage 3, shards on the host
+    want = torch.load(saved / "stage3_opt+params_bf16.saved.pt")  # full_state_dict() when it was saved
+    out = tmp_path / "gpt2"
+    assert zeroshard.cli.main(["export", str(root), str(out)]) == 0
+    got = load_file(out / "model.safetensors")
+    model = tiny_gpt2(seed=11)
+    model.load_state_dict(got, strict=True)
+    assert list(got) == list(model.state_dict())  # every key, the model's own names
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained(out)
+    assert all(torch.equal(hf.state_dict()[k], want[k]) for k in want)
+    assert zeroshard.cli.main(["export", str(root), str(tmp_path / "half.safetensors"), "--dtype", "bf16"]) == 0
+    half = load_file(tmp_path / "half.safetensors")
+    assert all(torch.equal(half[k], want[k].bfloat16()) for k in want)
+
+
+def test_export_of_a_plain_module_is_one_file(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    engine = zeroshard.initialize(model, make_sgd, {"stage": 3, "chunk_size": 64})
+    engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(tmp_path / "root")
+    want = engine.full_state_dict()
+    out = tmp_path / "plain.safetensors"
+    assert zeroshard.cli.main(["export", str(tmp_path / "root"), str(out)]) == 0
+    got = load_file(out)
+    assert list(got) == list(want)  # buffers too (BatchNorm's running stats, num_batches_tracked)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# Linux: writing 5 to /proc/self/clear_refs resets the peak RSS (VmHWM) to the current RSS, so the
+# import-time peak does not hide the export's.
+EXPORT_PEAK = r"""
+import sys, torch, zeroshard.export as ex
+from safetensors import safe_open  # imported before the baseline: the export uses it
+import torch.distributed.checkpoint
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = status("VmRSS:")
+ex.export(sys.argv[1], sys.argv[2], progress=lambda line: None)
+print(status("VmHWM:") - base)
+"""
+
+
+def test_export_peak_memory_stays_under_the_bound(tmp_path):
+    """Peak RSS growth of a process that exports a ~50 MB GPT-2 saved at world 2 (two shards) stays
+    below 1.5 x the largest shard + the largest tensor."""
+    from checkpoint_scenarios import save_for_export
+    root = tmp_path / "root"
+    spawn(2, save_for_export, str(root))
+    ckpt = root / (root / "latest").read_text().strip()
+    largest_shard = max(os.path.getsize(ckpt / n) for n in os.listdir(ckpt) if n.endswith(".distcp"))
+    largest_tensor = max(t.numel() * 4 for t in torch.load(tmp_path / "full.pt").values())
+    run = subprocess.run([sys.executable, "-c", EXPORT_PEAK, str(root), str(tmp_path / "out.safetensors")],
+                         capture_output=True, text=True, check=True)
+    peak = int(run.stdout.split()[-1])
+    bound = 1.5 * largest_shard + largest_tensor
+    print(f"export peak {peak / 1e6:.1f} MB, bound {bound / 1e6:.1f} MB (largest shard {largest_shard / 1e6:.1f} "
+          f"MB, largest tensor {largest_tensor / 1e6:.1f} MB)")
+    assert 0 < peak < bound
+    got, want = load_file(tmp_path / "out.safetensors"), torch.load(tmp_path / "full.pt")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# -- pieces ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(), (7,), (5, 3), (4, 3, 5), (2, 1, 3, 4)])
+def test_row_major_boxes_cover_exactly_the_run(shape):
+    n = max(1, int(torch.tensor(shape).prod().item()) if shape else 1)
+    numbered = torch.arange(n).reshape(shape)
+    for start in range(n):
+        for stop in range(start + 1, n + 1):
+            seen = []
+            for offsets, sizes in row_major_boxes(shape, start, stop):
+                box = numbered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                seen += box.reshape(-1).tolist()
+            assert seen == list(range(start, stop)), (shape, start, stop)

@@ -1,0 +1,660 @@
+"""Checkpoints: every rank writes its own shards through torch.distributed.checkpoint (DCP); any world
+size, stage, chunk size or offload setting loads them, with no conversion step.
+
+Vocabulary:
+- root: the directory given to `save_checkpoint`. It holds one directory per checkpoint, named by its
+  tag (default `step<N>`), and `latest`, a small file naming the newest complete tag.
+- piece: the elements of one parameter (or of one elementwise optimizer state) that lie in this
+  rank's shard of a chunk: a run of the parameter's row-major elements. DCP stores tensors as boxes,
+  so a piece goes to DCP as the few boxes its run covers (whole rows in the middle, part rows at the
+  ends). Keys and shapes are the model's own, as in `model.state_dict()`; the checkpoint knows nothing
+  of chunks, which is what makes it topology-independent.
+- DCP keys: `model.<name>` (fp32 master values of parameters, under their first name; buffers),
+  `optim.state.<name>.<state>` (e.g. exp_avg, step), `rng.<rank>` (each rank's RNG states).
+- files of one checkpoint: DCP's `.metadata` and `__<rank>_0.distcp`; `zeroshard.json` (what was
+  saved: parameter names and shapes, tied names, optimizer state kinds, step counters, loss scale,
+  config, a transformers config if the model has one); `extra.pt` (the user's dict, the optimizer's
+  hyperparameters); `checksums.json` (size and SHA-256 of every other file), written last.
+
+A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to `<tag>`, and
+only then is `latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming the
+previous complete checkpoint; the next save removes the leftovers. A load checks, before it changes
+anything: every file's size and checksum (the ranks split the files between them) and that the
+checkpoint's parameter names and shapes are this model's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+log = logging.getLogger("zeroshard")
+
+FORMAT = 1
+LATEST = "latest"
+META = "zeroshard.json"
+EXTRA = "extra.pt"
+SUMS = "checksums.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
+
+
+# -- pieces: a run of a tensor's elements, as DCP boxes --------------------------------------------
+def row_major_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple, tuple]]:
+    """Elements [start, stop) of a row-major tensor of `shape` as boxes (offsets, sizes), in memory
+    order: each box is itself a contiguous run, so box i is elements [start + sum of earlier box
+    volumes, ...) of the run."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    row, last = start // inner, stop // inner
+    out = []
+    if start % inner:  # a partial first row
+        end = min(stop, (row + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in row_major_boxes(shape[1:], start - row * inner, end - row * inner)]
+        row += 1
+        if end == stop:
+            return out
+    if last > row:
+        out.append(((row,) + (0,) * (len(shape) - 1), (last - row, *shape[1:])))
+    if stop % inner:  # a partial last row
+        out += [((last, *o), (1, *s)) for o, s in row_major_boxes(shape[1:], 0, stop - last * inner)]
+    return out
+
+
+class Piece:
+    """Elements [start, start + len(values)) of a tensor of `shape`, held in the 1-D `values` (a view
+    into a chunk's master, shard or optimizer state). DCP reads and writes it in place through its
+    checkpointable protocol (the one DTensor implements)."""
+
+    def __init__(self, values: torch.Tensor, shape: torch.Size, start: int):
+        self.values = values
+        self.shape = torch.Size(shape)
+        self.boxes = []
+        at = 0
+        for offsets, sizes in row_major_boxes(tuple(self.shape), start, start + values.numel()):
+            n = math.prod(sizes)
+            self.boxes.append((torch.Size(offsets), torch.Size(sizes), at))
+            at += n
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def _box(self, offsets, sizes, at) -> torch.Tensor:
+        return self.values[at:at + math.prod(sizes)].view(sizes)
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.values)
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                      properties=props, size=self.shape))
+                for offsets, sizes, _ in self.boxes]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes) for offsets, sizes, _ in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, sizes, at in self.boxes:
+            if offsets == torch.Size(index.offset):
+                return self._box(offsets, sizes, at)
+        raise ValueError(f"zeroshard: no box of {index.fqn} starts at {tuple(index.offset)}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Saves a flat {key: Tensor | Piece | object} state; objects (dicts included) are pickled whole."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Loads a flat {key: Tensor | Piece | None} state in place (DCP's default set-up would turn
+    objects it does not know into None)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_tensor(index)
+
+
+def dcp_load(state: dict, path: str, comm=None) -> None:
+    """DCP load of `state` (tensors, Pieces, None for pickled objects) from checkpoint dir `path`;
+    collective over comm's group, or this process alone when comm is None."""
+    single = comm is None or not comm.distributed
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(),
+                 process_group=None if single else comm.group, no_dist=single)
+
+
+# -- files: checksums, atomic commit, finding a checkpoint -------------------------------------------
+def digest(path: str) -> dict:
+    """{'bytes': size, 'sha256': hex digest} of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            h.update(block)
+    return {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
+
+
+def verify(path: str, name: str, want: dict) -> str | None:
+    """None if file `name` in checkpoint dir `path` has the recorded size and checksum, else why not."""
+    full = os.path.join(path, name)
+    if not os.path.isfile(full):
+        return f"{full}: missing"
+    size = os.path.getsize(full)
+    if size != want["bytes"]:
+        return f"{full}: {size} bytes, {want['bytes']} were written (truncated or overwritten)"
+    if digest(full)["sha256"] != want["sha256"]:
+        return f"{full}: checksum mismatch (the file changed after it was written: corrupted)"
+    return None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _commit(tmp: str, root: str, tag: str) -> str:
+    """Rename the finished `tmp` to root/tag (setting aside a checkpoint of the same tag first)."""
+    final = os.path.join(root, tag)
+    old = None
+    if os.path.exists(final):
+        old = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_latest(root: str, tag: str) -> None:
+    """Point root/latest at `tag`: the last step of a save."""
+    tmp = os.path.join(root, f".latest-{uuid.uuid4().hex[:8]}")
+    _write_file(tmp, (tag + "\n").encode())
+    os.replace(tmp, os.path.join(root, LATEST))
+    _fsync_dir(root)
+
+
+def _remove_leftovers(root: str) -> None:
+    """Clear up after crashed saves: remove unfinished `.tmp-*` dirs; an `.old-<tag>-*` dir (a
+    checkpoint set aside to be replaced) goes back to <tag> if the replacement never arrived, else
+    is removed."""
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        if name.startswith(".tmp-") or name.startswith(".latest-"):
+            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
+        elif name.startswith(".old-"):
+            tag = os.path.join(root, name[5:].rsplit("-", 1)[0])
+            if os.path.isdir(tag):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                os.replace(full, tag)
+
+
+def resolve(path, tag: str | None = None) -> str:
+    """The checkpoint directory for `path`: a checkpoint dir itself, or a root whose `latest` (or the
+    given tag) names one."""
+    path = os.path.abspath(os.fspath(path))
+    if tag is not None:
+        found = os.path.join(path, tag)
+    elif os.path.isfile(os.path.join(path, META)) or os.path.isfile(os.path.join(path, SUMS)):
+        found = path
+    elif os.path.isfile(os.path.join(path, LATEST)):
+        with open(os.path.join(path, LATEST)) as f:
+            tag = f.read().strip()
+        found = os.path.join(path, tag)
+        if not tag or os.sep in tag or tag.startswith("."):
+            raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST)} does not name a checkpoint ({tag!r})")
+        if not os.path.isdir(found):  # a crash while a checkpoint of the same tag was being replaced
+            old = sorted(n for n in os.listdir(path) if n.startswith(f".old-{tag}-"))
+            if not old:
+                raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST)} names {tag!r}, but {found} "
+                                      "does not exist")
+            found = os.path.join(path, old[-1])
+    elif not os.path.exists(path):
+        raise CheckpointError(f"zeroshard: no checkpoint at {path}: it does not exist")
+    else:
+        raise CheckpointError(f"zeroshard: no checkpoint at {path}: it has neither a '{LATEST}' file nor {META}")
+    if not os.path.isfile(os.path.join(found, SUMS)):
+        raise CheckpointError(f"zeroshard: {found} is not a complete zeroshard checkpoint: {SUMS} is missing "
+                              "(its save did not finish)")
+    return found
+
+
+def read_sums(path: str) -> dict:
+    try:
+        with open(os.path.join(path, SUMS)) as f:
+            sums = json.load(f)
+        assert isinstance(sums, dict) and all("sha256" in v and "bytes" in v for v in sums.values())
+    except (ValueError, AssertionError, AttributeError, TypeError) as e:
+        raise CheckpointError(f"zeroshard: {os.path.join(path, SUMS)} is damaged ({type(e).__name__})") from None
+    return sums
+
+
+def read_meta(path: str, sums: dict) -> dict:
+    """zeroshard.json of checkpoint dir `path`, checked against its checksum."""
+    why = verify(path, META, sums.get(META, {"bytes": -1, "sha256": ""}))
+    if why:
+        raise CheckpointError(f"zeroshard: checkpoint {path} is damaged: {why}")
+    with open(os.path.join(path, META)) as f:
+        meta = json.load(f)
+    if meta.get("format", 0) > FORMAT:
+        raise CheckpointError(f"zeroshard: {path} has checkpoint format {meta.get('format')}; this zeroshard "
+                              f"reads format {FORMAT} and older: upgrade zeroshard")
+    return meta
+
+
+def verify_all(path: str, sums: dict, comm=None) -> None:
+    """Check every file's size and checksum, the files split between the ranks; raises on every rank
+    naming each damaged file."""
+    rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
+    mine = [why for name in sorted(sums)[rank::world] if (why := verify(path, name, sums[name]))]
+    bad = [why for got in (comm.all_gather_objects(mine) if comm is not None else [mine]) for why in got]
+    if bad:
+        raise CheckpointError(f"zeroshard: checkpoint {path} is damaged; nothing was loaded:\n  " + "\n  ".join(bad))
+
+
+# -- what the engine holds, by the model's own names ------------------------------------------------
+def _elementwise(v, master) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape
+
+
+def _optim_kinds(engine) -> dict[str, dict[str, str]]:
+    """{parameter name: {state name: 'elementwise' | 'tensor' | 'object'}} for trainable parameters
+    that have optimizer state."""
+    out = {}
+    for c in engine.optim.chunks:
+        st = engine.optim.optimizer.state.get(c.master, {})
+        kinds = {}
+        for k, v in st.items():
+            if _elementwise(v, c.master):
+                kinds[k] = "elementwise"
+            elif torch.is_tensor(v) and v.numel() == 1:
+                kinds[k] = "tensor"
+            elif torch.is_tensor(v):
+                raise CheckpointError(f"zeroshard: optimizer state {k!r} has shape {tuple(v.shape)} for a shard of "
+                                      f"{tuple(c.master.shape)}: only elementwise states (and scalars) can be "
+                                      "saved independently of the sharding")
+            else:
+                kinds[k] = "object"
+        if kinds:
+            for s in c.slots:
+                out[s.name] = kinds
+    return out
+
+
+def describe_model(engine) -> dict:
+    """Parameter names, shapes and trainability in packing order, tied names, buffers, state_dict keys."""
+    params = [[s.name, list(s.shape), s.param.requires_grad] for c in engine.chunks for s in c.slots]
+    names = {id(p): n for n, p in ((engine.names[id(p)], p) for p in engine.params)}
+    tied, buffers = {}, {}
+    for key, obj in engine._state_keys:
+        if id(obj) in names:
+            if key != names[id(obj)]:
+                tied[key] = names[id(obj)]
+        else:
+            buffers[key] = list(engine.module.get_buffer(key).shape)
+    return {"params": params, "tied": tied, "buffers": buffers,
+            "state_dict_keys": [k for k, _ in engine._state_keys]}
+
+
+def mismatch(saved: dict, model: dict) -> str | None:
+    """What differs between a checkpoint's model and this one, or None."""
+    a = {n: tuple(s) for n, s, _ in saved["params"]} | {k: tuple(s) for k, s in saved["buffers"].items()}
+    b = {n: tuple(s) for n, s, _ in model["params"]} | {k: tuple(s) for k, s in model["buffers"].items()}
+
+    def listed(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:20]) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+
+    lines = []
+    if a.keys() - b.keys():
+        lines.append(f"in the checkpoint, not in this model ({len(a.keys() - b.keys())}): {listed(a.keys() - b.keys())}")
+    if b.keys() - a.keys():
+        lines.append(f"in this model, not in the checkpoint ({len(b.keys() - a.keys())}): {listed(b.keys() - a.keys())}")
+    shapes = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    if shapes:
+        lines.append(f"shapes differ ({len(shapes)}): " + ", ".join(f"{k} {a[k]} in the checkpoint, {b[k]} here"
+                                                                  for k in shapes[:20]))
+    if saved["tied"] != model["tied"]:
+        lines.append(f"tied parameters differ: checkpoint {saved['tied']}, this model {model['tied']}")
+    return "\n  ".join(lines) if lines else None
+
+
+def _hf_config(module) -> dict | None:
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string") or not hasattr(cfg, "model_type"):
+        return None
+    out = json.loads(cfg.to_json_string())
+    if not out.get("architectures"):
+        out["architectures"] = [type(module).__name__]
+    return out
+
+
+def _rng_state(device: torch.device) -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy
+        st["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return st
+
+
+def _set_rng_state(st: dict, device: torch.device) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+    if "numpy" in st:
+        import numpy
+        numpy.random.set_state(st["numpy"])
+
+
+def _runs(c, lo: int, hi: int):
+    """(slot, start in the parameter, [a, b) in chunk coordinates) for each parameter of chunk c
+    with elements in [lo, hi)."""
+    for s in c.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            yield s, a - s.offset, a, b
+
+
+# -- save ------------------------------------------------------------------------------------------
+def _save_state(engine) -> dict:
+    """This rank's DCP state: the pieces in its shard range (at stage 0 too, so ranks split the
+    writing), scalar optimizer states from the rank holding a parameter's first element, its RNG."""
+    out = {}
+    opt = engine.optim.optimizer
+    for c in engine.chunks:
+        lo, hi = c.shard_range
+        base = c.owned_range[0]
+        src = (c.master if c.trainable else c.shard).detach()
+        states = opt.state.get(c.master, {}) if c.trainable else {}
+        for s, start, a, b in _runs(c, lo, hi):
+            out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start)
+            for k, v in states.items():
+                key = f"optim.state.{s.name}.{k}"
+                if _elementwise(v, c.master):
+                    out[key] = Piece(v.detach()[a - base:b - base], s.shape, start)
+                elif start == 0:
+                    out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+    if engine.comm.rank == 0:
+        for key, shape in describe_model(engine)["buffers"].items():
+            out[f"model.{key}"] = engine.module.get_buffer(key).detach()
+    out[f"rng.{engine.comm.rank}"] = _rng_state(engine.device)
+    return out
+
+
+def save(engine, root, tag: str | None = None, client_state: dict | None = None) -> str:
+    """See Engine.save_checkpoint."""
+    comm = engine.comm
+    if engine.micro_steps % engine.config.gradient_accumulation_steps:
+        raise CheckpointError("zeroshard: save_checkpoint in the middle of a gradient accumulation window; "
+                              "save after engine.step() has applied the update")
+    tag = tag if tag is not None else f"step{engine.steps}"
+    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
+        raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
+                              f"starting with '.', not '{LATEST}')")
+    root = os.path.abspath(os.fspath(root))
+    t0 = time.perf_counter()
+    tmp = None
+    if comm.rank == 0:
+        os.makedirs(root, exist_ok=True)
+        _remove_leftovers(root)
+        tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
+    tmp = comm.broadcast_object(tmp)
+    if engine.stage == 3:
+        engine.cache.flush()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(_save_state(engine), storage_writer=FileSystemWriter(tmp), planner=_SavePlanner(),
+                     process_group=comm.group, no_dist=not comm.distributed)
+        try:
+            mine = {n: digest(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(f"__{comm.rank}_")}
+        except OSError as e:
+            mine = f"rank {comm.rank}: {e}"
+        everyone = comm.all_gather_objects(mine)
+        error = next((x for x in everyone if isinstance(x, str)), None)
+        if comm.rank == 0 and error is None:
+            try:
+                _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state)
+            except Exception as e:  # reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        error = comm.broadcast_object(error)
+        if error is not None:
+            raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed: {error}")
+    except BaseException:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = os.path.join(root, tag)
+    if comm.rank == 0:
+        size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final))
+        log.info("zeroshard: saved checkpoint %s (%.1f MB, world %d) in %.2f s", final, size / 1e6, comm.world,
+                 time.perf_counter() - t0)
+    return final
+
+
+def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> None:
+    """Rank 0, once every rank's shards are written: the side files, the checksums, then the commit."""
+    meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world": engine.comm.world, "stage": engine.stage, "precision": engine.config.precision,
+            "config": engine.config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.optim.skipped_steps,
+            "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
+            **describe_model(engine), "optim_state": _optim_kinds(engine),
+            "hf_config": _hf_config(engine.module)}
+    _write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
+    with open(os.path.join(tmp, EXTRA), "wb") as f:
+        torch.save({"client_state": client_state, "param_groups": groups}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    for name in (".metadata", META, EXTRA):
+        sums[name] = digest(os.path.join(tmp, name))
+    _write_file(os.path.join(tmp, SUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    _commit(tmp, root, tag)
+    _write_latest(root, tag)
+
+
+# -- load ------------------------------------------------------------------------------------------
+def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
+    """See Engine.load_checkpoint."""
+    comm = engine.comm
+    t0 = time.perf_counter()
+    found = None
+    error = None
+    if comm.rank == 0:  # one resolution of `latest` for everyone
+        try:
+            found = resolve(path, tag)
+        except CheckpointError as e:
+            error = str(e)
+    found, error = comm.broadcast_object((found, error))
+    if error:
+        raise CheckpointError(error)
+    sums = read_sums(found)
+    meta = read_meta(found, sums)
+    why = mismatch(meta, describe_model(engine))
+    if why:
+        raise CheckpointError(f"zeroshard: checkpoint {found} is of another model:\n  {why}")
+    verify_all(found, sums, comm)
+    extra = torch.load(os.path.join(found, EXTRA), weights_only=False)  # the user's own objects
+    kinds = meta["optim_state"] if load_optimizer else {}
+    trainable = [s.name for c in engine.optim.chunks for s in c.slots]
+    if kinds and set(kinds) != set(trainable):
+        missing = sorted(set(trainable) - set(kinds))
+        raise CheckpointError(f"zeroshard: checkpoint {found} has no optimizer state for {missing[:20]} (frozen "
+                              "when it was saved?); load with load_optimizer=False to start their optimizer afresh")
+
+    _fix_layout(engine, [n for n, _, _ in meta["params"]])
+    if engine.stage == 3:
+        engine.cache.flush()
+    saved = FileSystemReader(found).read_metadata().state_dict_metadata
+    state, buffers, opt_state = _load_state(engine, kinds, meta, saved)
+    dcp_load(state, found, comm)
+    _apply(engine, state, buffers, opt_state, kinds, extra["param_groups"] if load_optimizer else None)
+
+    engine.steps = meta["steps"]
+    engine.micro_steps = 0  # at a boundary; counting restarts so another accumulation works too
+    if load_optimizer:
+        engine.optim.skipped_steps = meta["skipped_steps"]
+    if engine.scaler is not None and meta["loss_scale"] is not None:
+        engine.scaler.scale = meta["loss_scale"]["scale"]
+        engine.scaler.clean_steps = meta["loss_scale"]["clean_steps"]
+    rng = state.get(f"rng.{comm.rank}")
+    if rng is not None:
+        _set_rng_state(rng, engine.device)
+    elif comm.rank == meta["world"]:  # once: the first rank the checkpoint has no RNG state for
+        log.info("zeroshard: checkpoint saved at world %d: ranks %d.. keep their own RNG state",
+                 meta["world"], meta["world"])
+    if comm.rank == 0:
+        log.info("zeroshard: loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
+                 "in %.2f s", found, meta["world"], meta["stage"], comm.world, engine.stage, time.perf_counter() - t0)
+    return extra["client_state"] if extra["client_state"] is not None else {}
+
+
+def _fix_layout(engine, order: list[str]) -> None:
+    """Before the first forward the engine has not fixed its chunk layout (it re-packs in order of
+    first use, which needs an optimizer without state): take the checkpoint's order instead."""
+    if engine._layout_final:
+        return
+    by_name = {engine.names[id(p)]: p for p in engine.params}
+    wanted = [by_name[n] for n in order]
+    current = [s.param for c in engine.chunks for s in c.slots]
+    if [id(p) for p in wanted] != [id(p) for p in current]:
+        engine._repack(wanted)
+    engine._recorder.remove()
+    engine._recorder = None
+    engine._layout_final = True
+
+
+def _load_state(engine, kinds: dict, meta: dict, saved: dict):
+    """The DCP state to load in place: pieces of each chunk's owned range (its master, or its shard
+    if frozen) and of its optimizer state buffers; fresh tensors for buffers and scalar states (as
+    the checkpoint's metadata `saved` describes them), None for pickled objects."""
+    state, opt_state = {}, {}
+    opt = engine.optim.optimizer
+    for c in engine.chunks:
+        lo, hi = c.owned_range
+        dst = (c.master if c.trainable else c.shard).detach()
+        bufs = {}
+        if c.trainable and c.slots[0].name in kinds:
+            old = opt.state.get(c.master, {})  # reused when it fits: no second copy in memory
+            for k, kind in kinds[c.slots[0].name].items():
+                v = old.get(k)
+                if kind == "elementwise":
+                    if not (torch.is_tensor(v) and v.shape == c.master.shape and v.dtype == torch.float32):
+                        v = torch.zeros_like(c.master, dtype=torch.float32).detach()
+                    bufs[k] = v
+            opt_state[c.index] = bufs
+        for s, start, a, b in _runs(c, lo, hi):
+            state[f"model.{s.name}"] = Piece(dst[a - lo:b - lo], s.shape, start)
+            for k, kind in kinds.get(s.name, {}).items():
+                key = f"optim.state.{s.name}.{k}"
+                if kind == "elementwise":
+                    state[key] = Piece(bufs[k].detach()[a - lo:b - lo], s.shape, start)
+        for s in c.slots:  # scalars of every parameter of the chunk, to check they agree
+            for k, kind in kinds.get(s.name, {}).items():
+                key = f"optim.state.{s.name}.{k}"
+                if kind == "tensor":
+                    state[key] = torch.zeros(saved[key].size, dtype=saved[key].properties.dtype)
+                elif kind == "object":
+                    state[key] = None
+    buffers = {}
+    for key in meta["buffers"]:
+        md = saved[f"model.{key}"]
+        buffers[key] = state[f"model.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
+    if engine.comm.rank < meta["world"]:
+        state[f"rng.{engine.comm.rank}"] = None
+    return state, buffers, opt_state
+
+
+@torch.no_grad()
+def _apply(engine, state: dict, buffers: dict, opt_state: dict, kinds: dict, groups) -> None:
+    """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
+    the full chunks, put the buffers in place, and hand the optimizer its state."""
+    comm = engine.comm
+    comm.counting = False
+    try:
+        for c in engine.chunks:
+            if c.trainable:
+                c.zero_grad()
+                if not c.master_is_shard:
+                    c.shard.copy_(c.master)
+            if engine.stage in (1, 2):
+                comm.all_gather(c.full, c.shard)
+    finally:
+        comm.counting = True
+    for key, value in buffers.items():
+        engine.module.get_buffer(key).copy_(value)
+    if groups is None:
+        return
+    opt = engine.optim.optimizer
+    current = opt.state_dict()["param_groups"]
+    if len(groups) != len(current):
+        raise CheckpointError(f"zeroshard: the checkpoint's optimizer has {len(groups)} parameter groups, this "
+                              f"one {len(current)}")
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    loaded = {}
+    for c in engine.optim.chunks:
+        if c.index not in opt_state:
+            continue
+        entry = dict(opt_state[c.index])
+        for k, kind in kinds[c.slots[0].name].items():
+            if kind == "elementwise":
+                continue
+            values = [state[f"optim.state.{s.name}.{k}"] for s in c.slots]
+            same = all((torch.equal(v, values[0]) if torch.is_tensor(v) else v == values[0]) for v in values)
+            if not same:
+                raise CheckpointError(f"zeroshard: optimizer state {k!r} differs between {c.slots[0].name} and "
+                                      "parameters now in the same chunk; load with load_optimizer=False")
+            entry[k] = values[0]
+        loaded[index[id(c.master)]] = entry
+    opt.load_state_dict({"state": loaded,
+                         "param_groups": [{**g, "params": cur["params"]} for g, cur in zip(groups, current)]})

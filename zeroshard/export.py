@@ -1,0 +1,126 @@
+"""Export: a checkpoint's model as one safetensors file, with the model's own state_dict keys.
+
+The file is written as a stream: its header first (every name, dtype, shape and offset is known from
+the checkpoint's metadata), then the tensors in state_dict order, read from the shards a few at a
+time (at most `batch_bytes`, or one tensor when it alone is larger). So the model never sits in
+memory whole, let alone twice: the peak is about one batch plus the largest stored piece of one
+tensor. (The safetensors package writes only from tensors that are all in memory at once, hence the
+few lines below that write its documented format: an 8-byte little-endian header length, a JSON
+header padded to 8 bytes, the raw little-endian data. The result is read back with safetensors.)
+
+OUT is the file itself when it ends in `.safetensors`, else a folder holding `model.safetensors` and,
+for a model that has a transformers config, `config.json`: a folder `from_pretrained` opens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+import time
+
+import torch
+
+from .checkpoint import CheckpointError, dcp_load, read_meta, read_sums, resolve, verify_all
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+WEIGHTS = "model.safetensors"
+
+
+def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, batch_bytes: int = 64 << 20,
+           progress=None) -> str:
+    """Write the model of checkpoint `ckpt` (a root or a checkpoint dir) to `out` (a .safetensors
+    file, or a folder); returns the safetensors file's path. dtype: convert floating tensors
+    (default: as saved, fp32 masters). batch_bytes: most bytes read from the shards at once (also at
+    most half the largest shard).
+    verify: check every file's checksum first. progress: called with one line of text now and then
+    (default: stderr)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    t0 = time.perf_counter()
+    path = resolve(ckpt)
+    sums = read_sums(path)
+    meta = read_meta(path, sums)
+    if verify:
+        verify_all(path, sums)
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+
+    out = os.path.abspath(os.fspath(out))
+    folder = not out.endswith(".safetensors")
+    target = os.path.join(out, WEIGHTS) if folder else out
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # A batch well under the bound the issue sets (1.5 x the largest shard + one tensor).
+    largest = max((os.path.getsize(os.path.join(path, n)) for n in sums if n.endswith(".distcp")), default=0)
+    batch_bytes = min(batch_bytes, max(1 << 20, largest // 2))
+
+    entries, begin = [], 0  # (output key, checkpoint key, dtype, shape, first byte)
+    for key in meta["state_dict_keys"]:
+        source = "model." + meta["tied"].get(key, key)
+        md = saved.get(source)
+        if md is None:
+            raise CheckpointError(f"zeroshard: checkpoint {path} has no tensor {source!r}")
+        want = dtype if dtype is not None and md.properties.dtype.is_floating_point else md.properties.dtype
+        if want not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"zeroshard: {key} is {want}, which safetensors cannot hold")
+        entries.append((key, source, want, tuple(md.size), begin))
+        begin += md.size.numel() * want.itemsize
+    header = {"__metadata__": {"format": "pt"}}
+    for key, _, want, shape, first in entries:
+        header[key] = {"dtype": SAFETENSORS_DTYPES[want], "shape": list(shape),
+                       "data_offsets": [first, first + math.prod(shape) * want.itemsize]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+
+    total = begin
+    tmp = target + f".partial-{os.getpid()}"  # renamed when complete: no half-written OUT
+    written, next_report = 0, 0.1
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        i = 0
+        while i < len(entries):
+            batch, size = [], 0
+            while i < len(entries) and (not batch or size + _stored_bytes(saved, entries[i][1]) <= batch_bytes):
+                batch.append(entries[i])
+                size += _stored_bytes(saved, entries[i][1])
+                i += 1
+            sources = {e[1] for e in batch}
+            state = {s: torch.empty(saved[s].size, dtype=saved[s].properties.dtype) for s in sources}
+            dcp_load(state, path)
+            for key, source, want, shape, _ in batch:
+                t = state[source].to(want).contiguous()
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                written += t.numel() * want.itemsize
+            del state
+            if total and written / total >= next_report:
+                say(f"zeroshard export: {written / 1e6:,.1f} / {total / 1e6:,.1f} MB")
+                next_report = written / total + 0.1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    if folder and meta.get("hf_config") is not None:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(meta["hf_config"], f, indent=2)
+    _check(target, entries)
+    say(f"zeroshard export: {len(entries)} tensors, {total / 1e6:,.1f} MB to {target} in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return target
+
+
+def _stored_bytes(saved, source: str) -> int:
+    return saved[source].size.numel() * saved[source].properties.dtype.itemsize
+
+
+def _check(target: str, entries) -> None:
+    """Read the header back with safetensors: every key, with its shape."""
+    from safetensors import safe_open
+
+    with safe_open(target, framework="pt") as f:
+        keys = set(f.keys())
+        for key, _, _, shape, _ in entries:
+            if key not in keys or tuple(f.get_slice(key).get_shape()) != shape:
+                raise CheckpointError(f"zeroshard: {target} came out wrong at {key}")
