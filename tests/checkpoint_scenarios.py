@@ -24,6 +24,13 @@ def tiny_gpt2_dropout(seed=0):
     return m
 
 
+def tiny_gpt2_frozen_positions(seed=0):
+    """tiny_gpt2 with its position embedding frozen: a frozen chunk, saved and loaded without state."""
+    m = tiny_gpt2(seed=seed)
+    m.transformer.wpe.weight.requires_grad_(False)
+    return m
+
+
 def _cases():
     """name -> (config, optimizer, model): stages 0-3, without and with offload, fp32 and bf16."""
     out = {}
@@ -41,6 +48,8 @@ def _cases():
                                 "initial_loss_scale": 2.0**14, "loss_scale_window": 2}, make_adamw, tiny_gpt2)
     out["stage3_none_bf16_dropout"] = ({"stage": 3, "precision": "bf16", "chunk_size": 20000}, make_adamw,
                                        tiny_gpt2_dropout)
+    out["stage2_none_bf16_frozen"] = ({"stage": 2, "precision": "bf16", "chunk_size": 20000}, make_adamw,
+                                      tiny_gpt2_frozen_positions)
     out["stage2_none_fp32_accum2"] = ({"stage": 2, "chunk_size": 20000, "gradient_accumulation_steps": 2},
                                       make_adamw, tiny_gpt2)
     return out
@@ -157,13 +166,16 @@ def resume_topology(rank, world, root, out_path, targets):
     and train the remaining steps on this world's split of the same global batches."""
     def run(label):
         name, cfg = targets[label]
-        engine = zeroshard.initialize(tiny_gpt2(seed=7), TOPO_OPTS[name], cfg)
+        x = global_data()[0, :GLOBAL // world]
+        engine = zeroshard.initialize(tiny_gpt2(seed=7), TOPO_OPTS[name], cfg,
+                                      example_inputs={"input_ids": x, "labels": x})  # used by 'auto' only
         engine.load_checkpoint(os.path.join(root, f"topo_{name}"))
         _train_rows(engine, global_data(), rank, world, range(HALF, STEPS))
         state = engine.full_state_dict()
         if rank == 0:
             torch.save(state, os.path.join(root, f"topo_{label}.resumed{world}.pt"))
-        return {"stats": {k: engine.stats()[k] for k in ("world_size", "model_state_bytes_by_device")}}
+        return {"stats": {k: engine.stats()[k] for k in ("world_size", "model_state_bytes_by_device")},
+                "plan": engine.plan.describe() if engine.plan else None}
     _each(rank, out_path, run, targets)
 
 

@@ -73,7 +73,8 @@ TARGETS = {
     1: {"sgd_stage0": ("sgd", {"stage": 0}),
         "adamw_stage0": ("adamw", {"stage": 0}),
         "sgd_stage3_offload": ("sgd", {"stage": 3, "chunk_size": 30000, "offload_optimizer": True,
-                                       "offload_params": True})},
+                                       "offload_params": True}),
+        "adamw_auto": ("adamw", {"stage": "auto", "offload": "auto", "device_memory": 1 << 40})},
 }
 TOL = {"sgd": 1e-6, "adamw": 3e-5}
 
@@ -94,6 +95,7 @@ def test_load_at_another_world_stage_and_offload(saved, references, world):
     results = json.loads(out.read_text())
     for label, (name, _) in TARGETS[world].items():
         assert ok(results, label)["stats"]["world_size"] == world
+        assert (results[label]["plan"] is not None) == ("auto" in label)
         got = torch.load(saved / f"topo_{label}.resumed{world}.pt")
         straight = torch.load(saved / f"topo_{name}.straight{WORLD}.pt")
         for want in (references[name], straight):
@@ -222,6 +224,24 @@ def test_save_inside_an_accumulation_window_is_refused(tmp_path):
         _fresh().save_checkpoint(tmp_path, tag="../x")
 
 
+def test_load_into_an_engine_that_has_trained(one_checkpoint):
+    """Its chunk layout is fixed and its optimizer has state: the checkpoint replaces both values."""
+    path, want = one_checkpoint
+    x = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    trained = _fresh(seed=6, chunk_size=7000)
+    for _ in range(2):
+        trained.backward(trained(input_ids=x, labels=x).loss)
+        trained.step()
+    fresh = _fresh(seed=8)
+    for engine in (trained, fresh):
+        engine.load_checkpoint(path)
+        assert engine.steps == 1
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    a, b = trained.full_state_dict(), fresh.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_load_model_only(one_checkpoint):
     path, want = one_checkpoint
     engine = zeroshard.initialize(tiny_gpt2(seed=4), make_sgd, {"stage": 3, "chunk_size": 9000})
@@ -253,6 +273,7 @@ def test_export_loads_strict_and_equals_full_state_dict(saved, tmp_path):
 def test_export_of_a_plain_module_is_one_file(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model.register_parameter("unused_empty", torch.nn.Parameter(torch.zeros(0, 3)))
     engine = zeroshard.initialize(model, make_sgd, {"stage": 3, "chunk_size": 64})
     engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
     engine.step()
@@ -261,7 +282,8 @@ def test_export_of_a_plain_module_is_one_file(tmp_path):
     out = tmp_path / "plain.safetensors"
     assert zeroshard.cli.main(["export", str(tmp_path / "root"), str(out)]) == 0
     got = load_file(out)
-    assert list(got) == list(want)  # buffers too (BatchNorm's running stats, num_batches_tracked)
+    assert list(got) == list(want)  # buffers too (BatchNorm's running stats, num_batches_tracked), empty ones
+    assert got["unused_empty"].shape == (0, 3)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 

@@ -327,12 +327,11 @@ def _optim_kinds(engine) -> dict[str, dict[str, str]]:
 def describe_model(engine) -> dict:
     """Parameter names, shapes and trainability in packing order, tied names, buffers, state_dict keys."""
     params = [[s.name, list(s.shape), s.param.requires_grad] for c in engine.chunks for s in c.slots]
-    names = {id(p): n for n, p in ((engine.names[id(p)], p) for p in engine.params)}
     tied, buffers = {}, {}
     for key, obj in engine._state_keys:
-        if id(obj) in names:
-            if key != names[id(obj)]:
-                tied[key] = names[id(obj)]
+        if id(obj) in engine.names:
+            if key != engine.names[id(obj)]:
+                tied[key] = engine.names[id(obj)]
         else:
             buffers[key] = list(engine.module.get_buffer(key).shape)
     return {"params": params, "tied": tied, "buffers": buffers,
@@ -447,8 +446,6 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
         _remove_leftovers(root)
         tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
     tmp = comm.broadcast_object(tmp)
-    if engine.stage == 3:
-        engine.cache.flush()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")

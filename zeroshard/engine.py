@@ -387,7 +387,7 @@ class Engine:
 
     def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None) -> str:
         """Collective: save model, optimizer states, loss scale, step counters, RNG states, the config
-        and `client_state` (any picklable dict, e.g. the data position) as checkpoint `tag` (default
+        and `client_state` (rank 0's; any picklable dict, e.g. the data position) as checkpoint `tag` (default
         `step<N>`) in directory `root`, every rank writing its own shards; then point root/latest at
         it. Atomic: a crash leaves the previous checkpoint and `latest` as they were. Call it after
         step(), not between the micro-batches of an accumulation window. Returns the checkpoint's

@@ -57,12 +57,17 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     largest = max((os.path.getsize(os.path.join(path, n)) for n in sums if n.endswith(".distcp")), default=0)
     batch_bytes = min(batch_bytes, max(1 << 20, largest // 2))
 
-    entries, begin = [], 0  # (output key, checkpoint key, dtype, shape, first byte)
+    shapes = {f"model.{n}": tuple(shape) for n, shape, _ in meta["params"]}
+    entries, begin = [], 0  # (output key, checkpoint key or None if empty, dtype, shape, first byte)
     for key in meta["state_dict_keys"]:
         source = "model." + meta["tied"].get(key, key)
         md = saved.get(source)
-        if md is None:
-            raise CheckpointError(f"zeroshard: checkpoint {path} has no tensor {source!r}")
+        if md is None:  # an empty parameter: no rank held any of it
+            shape = shapes.get(source)
+            if shape is None or math.prod(shape):
+                raise CheckpointError(f"zeroshard: checkpoint {path} has no tensor {source!r}")
+            entries.append((key, None, dtype or torch.float32, shape, begin))
+            continue
         want = dtype if dtype is not None and md.properties.dtype.is_floating_point else md.properties.dtype
         if want not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"zeroshard: {key} is {want}, which safetensors cannot hold")
@@ -88,10 +93,13 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
                 batch.append(entries[i])
                 size += _stored_bytes(saved, entries[i][1])
                 i += 1
-            sources = {e[1] for e in batch}
+            sources = {e[1] for e in batch} - {None}
             state = {s: torch.empty(saved[s].size, dtype=saved[s].properties.dtype) for s in sources}
-            dcp_load(state, path)
+            if state:
+                dcp_load(state, path)
             for key, source, want, shape, _ in batch:
+                if source is None:
+                    continue
                 t = state[source].to(want).contiguous()
                 f.write(t.reshape(-1).view(torch.uint8).numpy().data)
                 written += t.numel() * want.itemsize
@@ -111,8 +119,8 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     return target
 
 
-def _stored_bytes(saved, source: str) -> int:
-    return saved[source].size.numel() * saved[source].properties.dtype.itemsize
+def _stored_bytes(saved, source: str | None) -> int:
+    return 0 if source is None else saved[source].size.numel() * saved[source].properties.dtype.itemsize
 
 
 def _check(target: str, entries) -> None:
