@@ -551,8 +551,13 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
         log.info("zeroshard: checkpoint saved at world %d: ranks %d.. keep their own RNG state",
                  meta["world"], meta["world"])
     if comm.rank == 0:
+        now = engine.config.to_dict()
+        changed = {k: (v, now.get(k)) for k, v in meta["config"].items() if now.get(k) != v}
         log.info("zeroshard: loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
-                 "in %.2f s", found, meta["world"], meta["stage"], comm.world, engine.stage, time.perf_counter() - t0)
+                 "in %.2f s%s", found, meta["world"], meta["stage"], comm.world, engine.stage,
+                 time.perf_counter() - t0,
+                 "; config now differs: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+                 if changed else "")
     return extra["client_state"] if extra["client_state"] is not None else {}
 
 
