@@ -214,12 +214,14 @@ def test_another_model_lists_the_mismatched_keys(one_checkpoint):
         wider.load_checkpoint(path)
 
 
-def test_save_inside_an_accumulation_window_is_refused(tmp_path):
-    engine = _fresh(gradient_accumulation_steps=2)
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_save_with_unapplied_gradients_is_refused(tmp_path, accumulation):
+    engine = _fresh(gradient_accumulation_steps=accumulation)
     x = torch.randint(0, 128, (2, 32))
     engine.backward(engine(input_ids=x, labels=x).loss)
-    with pytest.raises(zeroshard.CheckpointError, match="accumulation window"):
+    with pytest.raises(zeroshard.CheckpointError, match="no step\\(\\) has applied"):
         engine.save_checkpoint(tmp_path)
+    assert not os.listdir(tmp_path)
     with pytest.raises(zeroshard.CheckpointError, match="plain name"):
         _fresh().save_checkpoint(tmp_path, tag="../x")
 
@@ -242,9 +244,26 @@ def test_load_into_an_engine_that_has_trained(one_checkpoint):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_load_model_only(one_checkpoint):
+def test_another_optimizer_is_refused_before_anything_changes(one_checkpoint):
+    path, _ = one_checkpoint
+    engine = zeroshard.initialize(tiny_gpt2(seed=4), make_sgd, {"stage": 3, "chunk_size": 9000})
+    before = engine.full_state_dict()
+    with pytest.raises(zeroshard.CheckpointError, match="another optimizer") as err:
+        engine.load_checkpoint(path)  # an AdamW checkpoint, an SGD optimizer
+    assert "exp_avg" in str(err.value) and "momentum_buffer" in str(err.value)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and engine.steps == 0
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_load_model_only(one_checkpoint, trained):
     path, want = one_checkpoint
     engine = zeroshard.initialize(tiny_gpt2(seed=4), make_sgd, {"stage": 3, "chunk_size": 9000})
+    if trained:  # momentum buffers exist: they must go, not survive under the new weights
+        x = torch.randint(0, 128, (2, 32))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        assert engine.optimizer.state
     engine.load_checkpoint(path, load_optimizer=False)  # an SGD optimizer, an AdamW checkpoint
     got = engine.full_state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -274,11 +293,17 @@ def test_export_of_a_plain_module_is_one_file(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
     model.register_parameter("unused_empty", torch.nn.Parameter(torch.zeros(0, 3)))
-    engine = zeroshard.initialize(model, make_sgd, {"stage": 3, "chunk_size": 64})
+    engine = zeroshard.initialize(model, make_adamw, {"stage": 3, "chunk_size": 64})
     engine.backward(engine(torch.randn(4, 8)).pow(2).mean())
     engine.step()
     engine.save_checkpoint(tmp_path / "root")
     want = engine.full_state_dict()
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
+    model2.register_parameter("unused_empty", torch.nn.Parameter(torch.zeros(0, 3)))
+    again = zeroshard.initialize(model2, make_adamw, {"stage": 1})
+    again.load_checkpoint(tmp_path / "root")  # AdamW's scalar `step`, and an empty parameter
+    got = again.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
     out = tmp_path / "plain.safetensors"
     assert zeroshard.cli.main(["export", str(tmp_path / "root"), str(out)]) == 0
     got = load_file(out)

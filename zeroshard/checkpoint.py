@@ -9,7 +9,8 @@ Vocabulary:
   so a piece goes to DCP as the few boxes its run covers (whole rows in the middle, part rows at the
   ends). Keys and shapes are the model's own, as in `model.state_dict()`; the checkpoint knows nothing
   of chunks, which is what makes it topology-independent.
-- DCP keys: `model.<name>` (fp32 master values of parameters, under their first name; buffers),
+- DCP keys: `model.<name>` (fp32 values of parameters: the masters, or frozen parameters widened;
+  under their first name; and buffers),
   `optim.state.<name>.<state>` (e.g. exp_avg, step), `rng.<rank>` (each rank's RNG states).
 - files of one checkpoint: DCP's `.metadata` and `__<rank>_0.distcp`; `zeroshard.json` (what was
   saved: parameter names and shapes, tied names, optimizer state kinds, step counters, loss scale,
@@ -17,10 +18,12 @@ Vocabulary:
   hyperparameters); `checksums.json` (size and SHA-256 of every other file), written last.
 
 A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to `<tag>`, and
-only then is `latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming the
-previous complete checkpoint; the next save removes the leftovers. A load checks, before it changes
-anything: every file's size and checksum (the ranks split the files between them) and that the
-checkpoint's parameter names and shapes are this model's.
+only then is `latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming a
+complete checkpoint: the previous one until the new one is complete (a checkpoint of the same tag is
+set aside as `.old-<tag>-<id>` while it is replaced, and found there if the crash comes in between).
+The next save clears what a crash left. A load checks, before it changes any value: every file's
+size and checksum (the ranks split the files between them), that the checkpoint's parameter names
+and shapes are this model's, and that its optimizer state is this optimizer's.
 """
 from __future__ import annotations
 
@@ -320,7 +323,8 @@ def _optim_kinds(engine) -> dict[str, dict[str, str]]:
                 kinds[k] = "object"
         if kinds:
             for s in c.slots:
-                out[s.name] = kinds
+                if s.numel:  # an empty parameter has no elements, so no rank would save its scalars
+                    out[s.name] = kinds
     return out
 
 
@@ -332,8 +336,11 @@ def describe_model(engine) -> dict:
         if id(obj) in engine.names:
             if key != engine.names[id(obj)]:
                 tied[key] = engine.names[id(obj)]
+        elif torch.is_tensor(obj):
+            buffers[key] = list(obj.shape)
         else:
-            buffers[key] = list(engine.module.get_buffer(key).shape)
+            raise CheckpointError(f"zeroshard: state_dict entry {key!r} is neither a parameter nor a buffer (a "
+                                  "module's extra state): zeroshard checkpoints do not hold those yet")
     return {"params": params, "tied": tied, "buffers": buffers,
             "state_dict_keys": [k for k, _ in engine._state_keys]}
 
@@ -408,10 +415,14 @@ def _save_state(engine) -> dict:
     writing), scalar optimizer states from the rank holding a parameter's first element, its RNG."""
     out = {}
     opt = engine.optim.optimizer
+    buffers = describe_model(engine)["buffers"]  # on every rank: it may raise, and must raise everywhere
     for c in engine.chunks:
         lo, hi = c.shard_range
         base = c.owned_range[0]
-        src = (c.master if c.trainable else c.shard).detach()
+        # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
+        src = c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
+        if not c.trainable:
+            base = lo
         states = opt.state.get(c.master, {}) if c.trainable else {}
         for s, start, a, b in _runs(c, lo, hi):
             out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start)
@@ -422,7 +433,7 @@ def _save_state(engine) -> dict:
                 elif start == 0:
                     out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     if engine.comm.rank == 0:
-        for key, shape in describe_model(engine)["buffers"].items():
+        for key in buffers:
             out[f"model.{key}"] = engine.module.get_buffer(key).detach()
     out[f"rng.{engine.comm.rank}"] = _rng_state(engine.device)
     return out
@@ -431,21 +442,26 @@ def _save_state(engine) -> dict:
 def save(engine, root, tag: str | None = None, client_state: dict | None = None) -> str:
     """See Engine.save_checkpoint."""
     comm = engine.comm
-    if engine.micro_steps % engine.config.gradient_accumulation_steps:
-        raise CheckpointError("zeroshard: save_checkpoint in the middle of a gradient accumulation window; "
-                              "save after engine.step() has applied the update")
+    if engine.grads_pending:
+        raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
+                              "would be lost); save after engine.step() has applied the update")
     tag = tag if tag is not None else f"step{engine.steps}"
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
                               f"starting with '.', not '{LATEST}')")
     root = os.path.abspath(os.fspath(root))
     t0 = time.perf_counter()
-    tmp = None
+    tmp = error = None
     if comm.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        _remove_leftovers(root)
-        tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
-    tmp = comm.broadcast_object(tmp)
+        try:
+            os.makedirs(root, exist_ok=True)
+            _remove_leftovers(root)
+            tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
+        except OSError as e:  # every rank must reach the broadcast
+            error = f"zeroshard: cannot write checkpoints in {root}: {e}"
+    tmp, error = comm.broadcast_object((tmp, error))
+    if error:
+        raise CheckpointError(error)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
@@ -502,16 +518,16 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> 
 
 # -- load ------------------------------------------------------------------------------------------
 def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
-    """See Engine.load_checkpoint."""
+    """See Engine.load_checkpoint. Everything that can refuse the checkpoint runs before anything in
+    the engine changes: files, model, optimizer compatibility, agreement of scalar states."""
     comm = engine.comm
     t0 = time.perf_counter()
-    found = None
-    error = None
+    found = error = None
     if comm.rank == 0:  # one resolution of `latest` for everyone
         try:
             found = resolve(path, tag)
-        except CheckpointError as e:
-            error = str(e)
+        except Exception as e:  # every rank must reach the broadcast
+            error = str(e) if isinstance(e, CheckpointError) else f"zeroshard: reading {path}: {e}"
     found, error = comm.broadcast_object((found, error))
     if error:
         raise CheckpointError(error)
@@ -521,30 +537,35 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     if why:
         raise CheckpointError(f"zeroshard: checkpoint {found} is of another model:\n  {why}")
     verify_all(found, sums, comm)
-    extra = torch.load(os.path.join(found, EXTRA), weights_only=False)  # the user's own objects
+    extra = torch.load(os.path.join(found, EXTRA), map_location="cpu", weights_only=False)  # the user's objects
     kinds = meta["optim_state"] if load_optimizer else {}
-    trainable = [s.name for c in engine.optim.chunks for s in c.slots]
-    if kinds and set(kinds) != set(trainable):
-        missing = sorted(set(trainable) - set(kinds))
-        raise CheckpointError(f"zeroshard: checkpoint {found} has no optimizer state for {missing[:20]} (frozen "
-                              "when it was saved?); load with load_optimizer=False to start their optimizer afresh")
-
+    if load_optimizer:
+        _check_optimizer(engine, found, kinds, extra["param_groups"])
+    # A new chunk layout (if it was not fixed yet) changes no value: refusing after it changes nothing.
     _fix_layout(engine, [n for n, _, _ in meta["params"]])
+    saved = FileSystemReader(found).read_metadata().state_dict_metadata
+    small = _small_state(engine, kinds, meta, saved)
+    dcp_load(small, found, comm)
+    scalars = _agreed_scalars(engine, kinds, small)
+
+    # From here on values change.
     if engine.stage == 3:
         engine.cache.flush()
-    saved = FileSystemReader(found).read_metadata().state_dict_metadata
-    state, buffers, opt_state = _load_state(engine, kinds, meta, saved)
-    dcp_load(state, found, comm)
-    _apply(engine, state, buffers, opt_state, kinds, extra["param_groups"] if load_optimizer else None)
+    pieces, opt_state = _piece_state(engine, kinds)
+    dcp_load(pieces, found, comm)
+    _apply(engine, opt_state, scalars, extra["param_groups"] if load_optimizer else None)
+    for key in meta["buffers"]:
+        with torch.no_grad():
+            engine.module.get_buffer(key).copy_(small[f"model.{key}"])
 
     engine.steps = meta["steps"]
-    engine.micro_steps = 0  # at a boundary; counting restarts so another accumulation works too
+    engine.micro_steps = 0  # at a boundary; counting restarts, so another accumulation works too
     if load_optimizer:
         engine.optim.skipped_steps = meta["skipped_steps"]
     if engine.scaler is not None and meta["loss_scale"] is not None:
         engine.scaler.scale = meta["loss_scale"]["scale"]
         engine.scaler.clean_steps = meta["loss_scale"]["clean_steps"]
-    rng = state.get(f"rng.{comm.rank}")
+    rng = small.get(f"rng.{comm.rank}")
     if rng is not None:
         _set_rng_state(rng, engine.device)
     elif comm.rank == meta["world"]:  # once: the first rank the checkpoint has no RNG state for
@@ -561,34 +582,103 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     return extra["client_state"] if extra["client_state"] is not None else {}
 
 
+def probe_state_names(make_opt) -> set[str]:
+    """Names of the state an optimizer keeps per parameter, found by stepping it once on a small tensor."""
+    p = torch.zeros(64, requires_grad=True)
+    p.grad = torch.zeros(64)
+    opt = make_opt([p])
+    opt.step()
+    return set(opt.state[p]) if p in opt.state else set()
+
+
+def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
+    trainable = {s.name for c in engine.optim.chunks for s in c.slots if s.numel}
+    missing = sorted(trainable - set(kinds))
+    if kinds and missing:
+        raise CheckpointError(f"zeroshard: checkpoint {found} has no optimizer state for {len(missing)} parameters "
+                              f"({', '.join(missing[:10])}...: frozen when it was saved?); load with "
+                              "load_optimizer=False to start the optimizer afresh")
+    theirs = set().union(*(set(k) for k in kinds.values())) if kinds else set()
+    ours = probe_state_names(engine.optim.make_opt)
+    if kinds and theirs != ours:
+        raise CheckpointError(f"zeroshard: checkpoint {found} holds optimizer state {sorted(theirs)}; this "
+                              f"optimizer keeps {sorted(ours)}: another optimizer? Load with load_optimizer=False")
+    if len(groups) != len(engine.optim.optimizer.param_groups):
+        raise CheckpointError(f"zeroshard: the checkpoint's optimizer has {len(groups)} parameter groups, this one "
+                              f"{len(engine.optim.optimizer.param_groups)}")
+
+
+def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
+    """What is loaded before anything changes: scalar optimizer states of this rank's chunks, buffers
+    and this rank's RNG states (fresh tensors, as the checkpoint's metadata `saved` describes them;
+    None for pickled objects)."""
+    state = {}
+    for c in engine.optim.chunks:
+        for s in c.slots:
+            for k, kind in kinds.get(s.name, {}).items():
+                key = f"optim.state.{s.name}.{k}"
+                if kind == "tensor":
+                    state[key] = torch.zeros(saved[key].size, dtype=saved[key].properties.dtype)
+                elif kind == "object":
+                    state[key] = None
+    for key in meta["buffers"]:
+        md = saved[f"model.{key}"]
+        state[f"model.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
+    if engine.comm.rank < meta["world"]:
+        state[f"rng.{engine.comm.rank}"] = None
+    return state
+
+
+def _agreed_scalars(engine, kinds: dict, small: dict) -> dict[int, dict]:
+    """{chunk index: {state name: value}} for the scalar states, which every parameter of a chunk
+    must agree on (they do in any zeroshard checkpoint: all chunks step together)."""
+    out = {}
+    for c in engine.optim.chunks:
+        named = [s for s in c.slots if s.name in kinds]
+        if not named:
+            continue
+        out[c.index] = {}
+        for k, kind in kinds[named[0].name].items():
+            if kind == "elementwise":
+                continue
+            values = [small[f"optim.state.{s.name}.{k}"] for s in named]
+            if not all((torch.equal(v, values[0]) if torch.is_tensor(v) else v == values[0]) for v in values):
+                raise CheckpointError(f"zeroshard: optimizer state {k!r} differs between {named[0].name} and "
+                                      "parameters now in the same chunk; load with load_optimizer=False")
+            out[c.index][k] = values[0]
+    return out
+
+
 def _fix_layout(engine, order: list[str]) -> None:
-    """Before the first forward the engine has not fixed its chunk layout (it re-packs in order of
-    first use, which needs an optimizer without state): take the checkpoint's order instead."""
+    """Before the first training forward the engine has not fixed its chunk layout (it re-packs in
+    order of first use): take the checkpoint's order instead. A re-pack needs an optimizer with one
+    group and no state; otherwise the layout stays as it is (pieces load into any layout)."""
     if engine._layout_final:
         return
+    opt = engine.optim.optimizer
     by_name = {engine.names[id(p)]: p for p in engine.params}
     wanted = [by_name[n] for n in order]
     current = [s.param for c in engine.chunks for s in c.slots]
-    if [id(p) for p in wanted] != [id(p) for p in current]:
+    if [id(p) for p in wanted] != [id(p) for p in current] and not opt.state and len(opt.param_groups) == 1:
         engine._repack(wanted)
     engine._recorder.remove()
     engine._recorder = None
     engine._layout_final = True
 
 
-def _load_state(engine, kinds: dict, meta: dict, saved: dict):
-    """The DCP state to load in place: pieces of each chunk's owned range (its master, or its shard
-    if frozen) and of its optimizer state buffers; fresh tensors for buffers and scalar states (as
-    the checkpoint's metadata `saved` describes them), None for pickled objects."""
+def _piece_state(engine, kinds: dict):
+    """Pieces of each chunk's owned range, loaded in place: its master (its shard if frozen) and its
+    elementwise optimizer state buffers (the optimizer's own when they fit: no second copy)."""
     state, opt_state = {}, {}
     opt = engine.optim.optimizer
     for c in engine.chunks:
         lo, hi = c.owned_range
         dst = (c.master if c.trainable else c.shard).detach()
         bufs = {}
-        if c.trainable and c.slots[0].name in kinds:
-            old = opt.state.get(c.master, {})  # reused when it fits: no second copy in memory
-            for k, kind in kinds[c.slots[0].name].items():
+        named = [s for s in c.slots if s.name in kinds] if c.trainable else []
+        if named:
+            old = opt.state.get(c.master, {})
+            for k, kind in kinds[named[0].name].items():
                 v = old.get(k)
                 if kind == "elementwise":
                     if not (torch.is_tensor(v) and v.shape == c.master.shape and v.dtype == torch.float32):
@@ -597,30 +687,16 @@ def _load_state(engine, kinds: dict, meta: dict, saved: dict):
             opt_state[c.index] = bufs
         for s, start, a, b in _runs(c, lo, hi):
             state[f"model.{s.name}"] = Piece(dst[a - lo:b - lo], s.shape, start)
-            for k, kind in kinds.get(s.name, {}).items():
-                key = f"optim.state.{s.name}.{k}"
-                if kind == "elementwise":
-                    state[key] = Piece(bufs[k].detach()[a - lo:b - lo], s.shape, start)
-        for s in c.slots:  # scalars of every parameter of the chunk, to check they agree
-            for k, kind in kinds.get(s.name, {}).items():
-                key = f"optim.state.{s.name}.{k}"
-                if kind == "tensor":
-                    state[key] = torch.zeros(saved[key].size, dtype=saved[key].properties.dtype)
-                elif kind == "object":
-                    state[key] = None
-    buffers = {}
-    for key in meta["buffers"]:
-        md = saved[f"model.{key}"]
-        buffers[key] = state[f"model.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
-    if engine.comm.rank < meta["world"]:
-        state[f"rng.{engine.comm.rank}"] = None
-    return state, buffers, opt_state
+            for k in bufs:
+                state[f"optim.state.{s.name}.{k}"] = Piece(bufs[k].detach()[a - lo:b - lo], s.shape, start)
+    return state, opt_state
 
 
 @torch.no_grad()
-def _apply(engine, state: dict, buffers: dict, opt_state: dict, kinds: dict, groups) -> None:
+def _apply(engine, opt_state: dict, scalars: dict, groups) -> None:
     """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
-    the full chunks, put the buffers in place, and hand the optimizer its state."""
+    the full chunks, and hand the optimizer its state (groups None: no optimizer state loaded, so
+    the optimizer starts afresh)."""
     comm = engine.comm
     comm.counting = False
     try:
@@ -633,30 +709,14 @@ def _apply(engine, state: dict, buffers: dict, opt_state: dict, kinds: dict, gro
                 comm.all_gather(c.full, c.shard)
     finally:
         comm.counting = True
-    for key, value in buffers.items():
-        engine.module.get_buffer(key).copy_(value)
-    if groups is None:
-        return
     opt = engine.optim.optimizer
     current = opt.state_dict()["param_groups"]
-    if len(groups) != len(current):
-        raise CheckpointError(f"zeroshard: the checkpoint's optimizer has {len(groups)} parameter groups, this "
-                              f"one {len(current)}")
+    if groups is None:
+        opt.load_state_dict({"state": {}, "param_groups": current})
+        return
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    loaded = {}
-    for c in engine.optim.chunks:
-        if c.index not in opt_state:
-            continue
-        entry = dict(opt_state[c.index])
-        for k, kind in kinds[c.slots[0].name].items():
-            if kind == "elementwise":
-                continue
-            values = [state[f"optim.state.{s.name}.{k}"] for s in c.slots]
-            same = all((torch.equal(v, values[0]) if torch.is_tensor(v) else v == values[0]) for v in values)
-            if not same:
-                raise CheckpointError(f"zeroshard: optimizer state {k!r} differs between {c.slots[0].name} and "
-                                      "parameters now in the same chunk; load with load_optimizer=False")
-            entry[k] = values[0]
-        loaded[index[id(c.master)]] = entry
-    opt.load_state_dict({"state": loaded,
-                         "param_groups": [{**g, "params": cur["params"]} for g, cur in zip(groups, current)]})
+    loaded = {index[id(c.master)]: {**opt_state[c.index], **scalars.get(c.index, {})}
+              for c in engine.optim.chunks if c.index in opt_state}
+    # The saved hyperparameters (a schedule's lr, ...) of every key this optimizer knows.
+    opt.load_state_dict({"state": loaded, "param_groups": [{**cur, **{k: v for k, v in g.items() if k in cur}}
+                                                           for g, cur in zip(groups, current)]})

@@ -68,6 +68,7 @@ class Engine:
         self.dtype = DTYPES[config.precision]
         self.stage = config.stage
         self.micro_steps = 0
+        self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self.steps = 0
         self._stats = {}
 
@@ -292,6 +293,7 @@ class Engine:
                 self.hooks.end_backward()
         self._flush_reductions()
         self.micro_steps += 1
+        self.grads_pending = True
         if self.cache.recording and self._micro_layout_final:
             self.cache.recording = False
         elif self.cache.recording:
@@ -349,6 +351,7 @@ class Engine:
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps:
             return False
         applied = self.optim.step()
+        self.grads_pending = False
         for c in self.chunks:
             if c.trainable:
                 c.zero_grad()
@@ -389,7 +392,7 @@ class Engine:
         """Collective: save model, optimizer states, loss scale, step counters, RNG states, the config
         and `client_state` (rank 0's; any picklable dict, e.g. the data position) as checkpoint `tag` (default
         `step<N>`) in directory `root`, every rank writing its own shards; then point root/latest at
-        it. Atomic: a crash leaves the previous checkpoint and `latest` as they were. Call it after
+        it. Atomic: a crash leaves `latest` naming the previous checkpoint, complete. Call it after
         step(), not between the micro-batches of an accumulation window. Returns the checkpoint's
         directory. Any world size, stage, chunk size or offload setting can load it
         (`load_checkpoint`); `zeroshard export` turns it into one safetensors file."""
@@ -400,8 +403,9 @@ class Engine:
         """Collective: load a checkpoint into this engine: `path` is a root (its `latest`, or `tag`)
         or a checkpoint directory. Checks every file's size and checksum and that the checkpoint is of
         this model before changing anything (CheckpointError naming the damaged files or the
-        mismatched parameters otherwise). load_optimizer=False loads only the model (and buffers,
-        counters, RNG): the optimizer starts afresh. Returns the saved `client_state` ({} if none)."""
+        mismatched parameters otherwise), and that its optimizer state is this optimizer's.
+        load_optimizer=False loads the model (and buffers, counters, RNG) and starts the optimizer
+        afresh: its state is cleared. Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
         return load(self, path, tag, load_optimizer)
 

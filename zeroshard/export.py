@@ -13,6 +13,7 @@ for a model that has a transformers config, `config.json`: a folder `from_pretra
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -40,6 +41,8 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     (default: stderr)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    if sys.byteorder != "little":  # tensors are written as they are in memory
+        raise CheckpointError("zeroshard export: safetensors is little-endian; this machine is not")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     t0 = time.perf_counter()
     path = resolve(ckpt)
@@ -81,11 +84,28 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     text += b" " * (-len(text) % 8)
 
     total = begin
-    tmp = target + f".partial-{os.getpid()}"  # renamed when complete: no half-written OUT
+    tmp = target + f".partial-{os.getpid()}"  # renamed when complete and checked: no half-written OUT
+    try:
+        _write(tmp, text, entries, saved, path, batch_bytes, total, say)
+        _check(tmp, entries)
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    if folder and meta.get("hf_config") is not None:
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(meta["hf_config"], f, indent=2)
+    say(f"zeroshard export: {len(entries)} tensors, {total / 1e6:,.1f} MB to {target} in "
+        f"{time.perf_counter() - t0:.1f} s")
+    return target
+
+
+def _write(tmp: str, header: bytes, entries, saved, path: str, batch_bytes: int, total: int, say) -> None:
     written, next_report = 0, 0.1
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
         i = 0
         while i < len(entries):
             batch, size = [], 0
@@ -101,7 +121,8 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
                 if source is None:
                     continue
                 t = state[source].to(want).contiguous()
-                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
+                    f.write((ctypes.c_char * (t.numel() * want.itemsize)).from_address(t.data_ptr()))
                 written += t.numel() * want.itemsize
             del state
             if total and written / total >= next_report:
@@ -109,14 +130,6 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
                 next_report = written / total + 0.1
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, target)
-    if folder and meta.get("hf_config") is not None:
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump(meta["hf_config"], f, indent=2)
-    _check(target, entries)
-    say(f"zeroshard export: {len(entries)} tensors, {total / 1e6:,.1f} MB to {target} in "
-        f"{time.perf_counter() - t0:.1f} s")
-    return target
 
 
 def _stored_bytes(saved, source: str | None) -> int:
