@@ -12,7 +12,7 @@ import traceback
 import torch
 
 import zeroshard
-from models import batches, make_adamw, make_sgd, tiny_gpt2
+from models import batches, make_adamw, make_sgd, tiny_gpt2, train
 
 
 def tiny_gpt2_dropout(seed=0):
@@ -59,14 +59,6 @@ CASES = _cases()
 STEPS, HALF = 6, 3
 
 
-def _train(engine, data, rank, steps):
-    for t in steps:
-        for micro in data[t]:
-            x = micro[rank]
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            engine.step()
-
-
 def _data(world, cfg):
     return batches(STEPS, world, 1, cfg.get("gradient_accumulation_steps", 1))
 
@@ -91,13 +83,13 @@ def save_cases(rank, world, root, out_path):
         data = _data(world, cfg)
         straight = zeroshard.initialize(model(), opt, cfg)
         torch.manual_seed(1000 + rank)  # each rank's dropout stream
-        _train(straight, data, rank, range(STEPS))
+        train(straight, data[:STEPS], rank)
         state = straight.full_state_dict()
         if rank == 0:
             torch.save(state, os.path.join(root, f"{name}.straight.pt"))
         engine = zeroshard.initialize(model(), opt, cfg)
         torch.manual_seed(1000 + rank)
-        _train(engine, data, rank, range(HALF))
+        train(engine, data[:HALF], rank)
         engine.save_checkpoint(os.path.join(root, name), client_state={"next_step": HALF, "saved_by_world": world})
         state = engine.full_state_dict()
         if rank == 0:
@@ -116,7 +108,7 @@ def resume_cases(rank, world, root, out_path):
         torch.manual_seed(99)  # overwritten by the checkpoint's RNG state
         client = engine.load_checkpoint(os.path.join(root, name))
         steps_loaded = engine.steps
-        _train(engine, data, rank, range(client["next_step"], STEPS))
+        train(engine, data[client["next_step"]:STEPS], rank)
         got = engine.full_state_dict()
         want = torch.load(os.path.join(root, f"{name}.straight.pt"))
         return {"bitwise": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
@@ -186,12 +178,12 @@ def killed_save(rank, world, root, point):
     data = batches(STEPS, world, 1)
     tag = "keep" if point == "replace" else None
     engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "chunk_size": 20000})
-    _train(engine, data, rank, range(HALF))
+    train(engine, data[:HALF], rank)
     engine.save_checkpoint(root, tag=tag, client_state={"next_step": HALF})
     state = engine.full_state_dict()
     if rank == 0:
         torch.save(state, os.path.join(os.path.dirname(root), "A.pt"))
-    _train(engine, data, rank, range(HALF, HALF + 1))
+    train(engine, data[HALF:HALF + 1], rank)
     _arm(point, rank, world)
     engine.save_checkpoint(root, tag=tag)
     raise AssertionError(f"the save should have died at {point!r}")
@@ -232,18 +224,3 @@ def _arm(point, rank, world):
             return real(src, dst, *a, **k)
         ck.os.replace = dying_replace
 
-
-def save_for_export(rank, world, root):
-    """A ~30 MB GPT-2 (fp32 masters; AdamW states triple the checkpoint) trained one step and saved;
-    rank 0 writes its full_state_dict() beside root as full.pt."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=16384, n_positions=64))
-    engine = zeroshard.initialize(model, make_adamw, {"stage": 3})
-    x = torch.randint(0, 16384, (1, 64), generator=torch.Generator().manual_seed(rank))
-    engine.backward(engine(input_ids=x, labels=x).loss)
-    engine.step()
-    engine.save_checkpoint(root)
-    state = engine.full_state_dict()
-    if rank == 0:
-        torch.save(state, os.path.join(os.path.dirname(root), "full.pt"))

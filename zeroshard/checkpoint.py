@@ -45,6 +45,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .optimizer import probe_state
+
 log = logging.getLogger("zeroshard")
 
 FORMAT = 1
@@ -582,15 +584,6 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     return extra["client_state"] if extra["client_state"] is not None else {}
 
 
-def probe_state_names(make_opt) -> set[str]:
-    """Names of the state an optimizer keeps per parameter, found by stepping it once on a small tensor."""
-    p = torch.zeros(64, requires_grad=True)
-    p.grad = torch.zeros(64)
-    opt = make_opt([p])
-    opt.step()
-    return set(opt.state[p]) if p in opt.state else set()
-
-
 def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
     trainable = {s.name for c in engine.optim.chunks for s in c.slots if s.numel}
     missing = sorted(trainable - set(kinds))
@@ -599,8 +592,8 @@ def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
                               f"({', '.join(missing[:10])}...: frozen when it was saved?); load with "
                               "load_optimizer=False to start the optimizer afresh")
     theirs = set().union(*(set(k) for k in kinds.values())) if kinds else set()
-    ours = probe_state_names(engine.optim.make_opt)
-    if kinds and theirs != ours:
+    ours = set(probe_state(engine.optim.make_opt)) if kinds else set()
+    if theirs != ours:
         raise CheckpointError(f"zeroshard: checkpoint {found} holds optimizer state {sorted(theirs)}; this "
                               f"optimizer keeps {sorted(ours)}: another optimizer? Load with load_optimizer=False")
     if len(groups) != len(engine.optim.optimizer.param_groups):

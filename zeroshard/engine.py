@@ -28,7 +28,7 @@ from .collectives import REDUCE, Comm, init_process_group, order_tag
 from .config import Config
 from .hooks import ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
 from .offload import ActivationOffload, Pending, Placement, Transfer
-from .optimizer import LossScaler, ShardedOptimizer, default_optimizer
+from .optimizer import PROBE_NUMEL, LossScaler, ShardedOptimizer, default_optimizer, probe_state
 
 log = logging.getLogger("zeroshard")
 
@@ -479,17 +479,12 @@ def plan_for(module: nn.Module, example_inputs, make_opt, config: Config, device
 
 
 def optimizer_state_bytes(make_opt) -> int:
-    """Bytes of optimizer state per parameter element, found by stepping the user's optimizer once
-    on a small tensor (AdamW: 8, SGD with momentum: 4)."""
+    """Bytes of optimizer state per parameter element (AdamW: 8, SGD with momentum: 4)."""
     if make_opt is None:
         return 8
-    p = torch.zeros(64, requires_grad=True)
-    p.grad = torch.zeros(64)
-    opt = make_opt([p])
-    opt.step()
-    n = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return max(0, n // p.numel())
+    state = probe_state(make_opt)
+    n = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return max(0, n // PROBE_NUMEL)
 
 
 def direct_params_real(engine: Engine, module: nn.Module):

@@ -54,6 +54,19 @@ def default_optimizer(host: bool):
     return lambda params: torch.optim.AdamW(params, lr=1e-3)
 
 
+PROBE_NUMEL = 64
+
+
+def probe_state(make_opt) -> dict:
+    """The state the user's optimizer keeps for one parameter, found by stepping it once on a
+    PROBE_NUMEL-element tensor: what it holds per element, and its names."""
+    p = torch.zeros(PROBE_NUMEL, requires_grad=True)
+    p.grad = torch.zeros(PROBE_NUMEL)
+    opt = make_opt([p])
+    opt.step()
+    return dict(opt.state.get(p, {}))
+
+
 class ShardedOptimizer:
     def __init__(self, make_opt, comm, *, stage: int, dtype: torch.dtype, accumulation: int,
                  clip_grad_norm: float | None, scaler: LossScaler | None):
