@@ -200,7 +200,101 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: as saved, the fp32 master weights)")
     e.add_argument("--no-verify", action="store_true", help="skip checking every file's checksum first")
     e.set_defaults(func=cmd_export, subparser=e)
+
+    m = sub.add_parser(
+        "estimate", help="model-state memory per GPU for ZeRO stages 0-3, with and without offload",
+        description="Model-state bytes per GPU (parameters, gradients, optimizer states; not activations or "
+        "buffers) for ZeRO stages 0-3, without and with offload, and the largest model whose model states fit "
+        "--gpu-memory. --paper prints the ZeRO paper's Table 1 and Table 2's theoretical columns.",
+        epilog="Sizes in GB are 1e9 bytes, as in the paper.")
+    m.add_argument("model", metavar="MODEL", nargs="?", help="a parameter count (7.5B, 1.3e9, 175B, 1T) or a model "
+                   "as `zeroshard plan` takes it (config.json, preset, package.module:factory)")
+    m.add_argument("--gpus", type=int_list, default=[1, 2, 4, 8], help="data-parallel degrees, e.g. 1,4,16 "
+                   "(default 1,2,4,8)")
+    m.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16", help="compute dtype; 16-bit "
+                   "keeps fp32 master weights (default bf16)")
+    m.add_argument("--optimizer", choices=("adam", "sgd-momentum", "sgd"), default="adam")
+    m.add_argument("--gpu-memory", type=size, default=None, help="memory per GPU, e.g. 80GB: say what fits and the "
+                   "largest model that would")
+    m.add_argument("--paper", action="store_true", help="print the ZeRO paper's Table 1 and Table 2 (theoretical)")
+    m.set_defaults(func=cmd_estimate, subparser=m)
     return parser
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of integers, e.g. 1,4,16") from None
+    if not out or any(v <= 0 for v in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,4,16")
+    return out
+
+
+_COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
+
+
+def parameter_count(text: str) -> float | None:
+    """7.5B -> 7.5e9, 1T -> 1e12, 350M, 1.3e9; None if `text` is not a count."""
+    m = _COUNT.match(text)
+    if not m:
+        return None
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+
+
+def cmd_estimate(args) -> int:
+    from .estimate import estimate, largest_model, table1, table2
+    if args.paper:
+        head = ("DP",) + tuple(f"{m} {s}" for m in ("7.5B", "128B", "1T") for s in ("P_os", "P_os+g", "P_os+g+p"))
+        print("ZeRO Table 1: per-device model-state memory (GB), mixed-precision Adam (K = 12)")
+        print(markdown(head, table1()))
+        print()
+        print("ZeRO Table 2 (theoretical): largest model on 32 GB GPUs, 64-way data parallel x MP")
+        print(markdown(("MP", "GPUs", "baseline", "P_os", "P_os+g", "P_os+g+p"), table2()))
+        if args.model is None:
+            return 0
+        print()
+    if args.model is None:
+        raise UsageError("give MODEL (a parameter count such as 7.5B, or a model), or --paper")
+    psi = parameter_count(args.model)
+    source = f"{psi:,.0f} parameters" if psi is not None else ""
+    if psi is None:
+        loaded = load_model(args.model, checkpointing=False)
+        psi = float(sum(p.numel() for p in loaded.model.parameters()))
+        source = f"{loaded.source}: {psi:,.0f} parameters"
+    kw = dict(precision=args.precision, optimizer=args.optimizer)
+    print(f"{source}; {args.precision}, {args.optimizer}; model states per GPU in GB (1e9 bytes), "
+          "device / host")
+    configs = [(s, "none") for s in range(4)] + [(s, "optimizer") for s in (1, 2, 3)] + [(3, "optimizer+params")]
+    names = {"none": "", "optimizer": " + offload", "optimizer+params": " + offload + params"}
+    head = ("stage",) + tuple(f"{n} GPUs" if n > 1 else "1 GPU" for n in args.gpus)
+    rows = []
+    for stage, off in configs:
+        cells = []
+        for n in args.gpus:
+            e = estimate(psi, stage, n, offload=off, **kw)
+            fits = "" if args.gpu_memory is None else (" ok" if e.device <= args.gpu_memory else " no")
+            cells.append(f"{e.device / 1e9:.2f} / {e.host / 1e9:.2f}{fits}")
+        rows.append((f"{stage}{names[off]}",) + tuple(cells))
+    print(markdown(head, rows))
+    if args.gpu_memory is not None:
+        print()
+        print(f"largest model whose model states fit {args.gpu_memory / 1e9:g} GB per GPU (activations, buffers "
+              "and the driver's reserve need room too):")
+        rows = [(f"{stage}{names[off]}",) + tuple(_params_words(largest_model(args.gpu_memory, stage, n, offload=off,
+                                                                              **kw)) for n in args.gpus)
+                for stage, off in configs]
+        print(markdown(head, rows))
+    return 0
+
+
+def _params_words(n: float) -> str:
+    if n == float("inf"):
+        return "any (host-bound)"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:,.0f}"
 
 
 def cmd_export(args) -> int:
@@ -497,7 +591,12 @@ def _table(plans) -> str:
         rows.append((p.name, f"{p.device_bytes / GIB:.2f}", "yes" if p.fits else "no", f"{t.total * 1e3:.1f}",
                      f"{t.compute * 1e3:.1f}", f"{t.exposed_transfers * 1e3:.1f}", f"{t.device_step * 1e3:.1f}",
                      f"{t.cpu_step * 1e3:.1f}", f"{p.tflops:.1f}"))
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    return markdown(head, rows)
+
+
+def markdown(head, rows) -> str:
+    """A markdown table, first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in list(rows) + [head]) for i in range(len(head))]
 
     def line(cells):
         return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"

@@ -1,0 +1,107 @@
+"""zeroshard estimate: the ZeRO paper's Table 1 figure for figure, Table 2's theoretical columns, and
+the estimator's bytes against what the runtime holds (test_parity's and test_offload's memory
+scenarios, worlds 1-3: the runtime pads chunks, so it may hold up to 4% more)."""
+import pytest
+
+import zeroshard.cli
+from test_cli import table_rows
+from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
+from zeroshard.estimate import estimate, largest_model, paper_gb, per_param, table1, table2
+
+# Copied from the paper (../shared/papers/zero.txt, Table 1): DP, then 7.5B, 128B, 1T x P_os, P_os+g, P_os+g+p.
+PAPER_TABLE1 = """
+1	120	120	120	2048	2048	2048	16000	16000	16000
+4	52.5	41.3	30	896	704	512	7000	5500	4000
+16	35.6	21.6	7.5	608	368	128	4750	2875	1000
+64	31.4	16.6	1.88	536	284	32	4187	2218	250
+256	30.4	15.4	0.47	518	263	8	4046	2054	62.5
+1024	30.1	15.1	0.12	513	257	2	4011	2013	15.6
+"""
+# Table 2, theoretical columns: MP, GPUs, baseline, P_os, P_os+g, P_os+g+p.
+PAPER_TABLE2 = """
+1	64	2B	7.6B	14.4B	128B
+2	128	4B	15.2B	28.8B	256B
+4	256	8B	30.4B	57.6B	0.5T
+8	512	16B	60.8B	115.2B	1T
+16	1024	32B	121.6B	230.4B	2T
+"""
+
+
+def rows(text):
+    return [line.split("\t") for line in text.strip().splitlines()]
+
+
+def test_table1_is_the_papers():
+    assert table1() == rows(PAPER_TABLE1)
+
+
+def test_table2_theoretical_columns_are_the_papers():
+    assert table2() == rows(PAPER_TABLE2)
+
+
+def test_paper_rounding():
+    assert [paper_gb(x) for x in (41.25, 1.875, 0.46875, 513.5, 4187.5, 7.5, 120.0, 15.625)] == \
+        ["41.3", "1.88", "0.47", "513", "4187", "7.5", "120", "15.6"]
+
+
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_the_papers_formulas(n):
+    # mixed-precision Adam, section 5: 16, 4 + 12/N, 2 + 14/N, 16/N bytes per parameter
+    assert [per_param(s, n)[0] for s in range(4)] == pytest.approx([16, 4 + 12 / n, 2 + 14 / n, 16 / n])
+    # fp32 Adam: 4-byte parameters and gradients, 8 bytes of moments, no master copy
+    assert [per_param(s, n, precision="fp32")[0] for s in range(4)] == \
+        pytest.approx([16, 8 + 8 / n, 4 + 12 / n, 16 / n])
+    # offload keeps the total and moves the optimizer's share to the host
+    for stage, off in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "params"), (3, "optimizer+params")):
+        d, h = per_param(stage, n, offload=off)
+        assert d + h == pytest.approx(per_param(stage, n)[0] + (2 / n if stage == 1 else 0))
+    assert largest_model(32e9, 3, 64) == pytest.approx(128e9)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="stage >= 1"):
+        per_param(0, 2, offload="optimizer")
+    with pytest.raises(ValueError, match="stage 3"):
+        per_param(2, 2, offload="params")
+
+
+def _within_padding(est, got, what):
+    assert est <= got <= 1.04 * est + 4096, (what, est, got)
+
+
+def test_estimate_is_what_the_runtime_holds(res):  # noqa: F811
+    r, n = res
+    got = ok(r, "memory_bf16_adamw")
+    for stage in range(4):
+        s = got[str(stage)]
+        _within_padding(estimate(s["num_params"], stage, n).device, s["model_state_bytes"], stage)
+    got = ok(r, "offload_memory_bf16_adamw")
+    for name, stage, off in (("s1_opt", 1, "optimizer"), ("s2_opt", 2, "optimizer"), ("s3_opt", 3, "optimizer"),
+                             ("s3_params", 3, "params"), ("s3_all", 3, "optimizer+params")):
+        s = got[name]
+        e = estimate(s["num_params"], stage, n, offload=off)
+        _within_padding(e.device, s["model_state_bytes_by_device"]["device"], name)
+        _within_padding(e.host, s["model_state_bytes_by_device"]["host"], name)
+
+
+def test_cli_paper(capsys):
+    assert zeroshard.cli.main(["estimate", "--paper"]) == 0
+    tables = capsys.readouterr().out.split("\n\n")
+    assert table_rows(tables[0])["64"] == ["31.4", "16.6", "1.88", "536", "284", "32", "4187", "2218", "250"]
+    assert table_rows(tables[1])["16"] == ["1024", "32B", "121.6B", "230.4B", "2T"]
+
+
+def test_cli_count_and_fit(capsys):
+    assert zeroshard.cli.main(["estimate", "7.5B", "--gpus", "1,64", "--gpu-memory", "32GB"]) == 0
+    memory, largest = capsys.readouterr().out.split("\n\n")
+    assert table_rows(memory)["2"] == ["120.00 / 0.00 no", "16.64 / 0.00 ok"]
+    assert table_rows(memory)["3 + offload"] == ["15.00 / 105.00 ok", "0.23 / 1.64 ok"]
+    assert table_rows(largest)["3"] == ["2.0B", "128.0B"]
+    assert table_rows(largest)["3 + offload + params"] == ["any (host-bound)"] * 2
+
+
+def test_cli_model_and_errors(capsys):
+    assert zeroshard.cli.main(["estimate", "gpt2", "--gpus", "2"]) == 0
+    assert "124,439,808 parameters" in capsys.readouterr().out
+    assert zeroshard.cli.main(["estimate"]) == 2
+    assert zeroshard.cli.main(["estimate", "1B", "--gpus", "0"]) == 2

@@ -1,0 +1,121 @@
+"""Estimate: model-state bytes per device for ZeRO stages 0-3, with and without offload, before
+anything is built (the ZeRO paper's section 5 and Table 1).
+
+Vocabulary (per parameter, in bytes):
+- p: one copy of the parameters in the compute dtype (2 for bf16/fp16, 4 for fp32);
+- g: one copy of the gradients, in the compute dtype;
+- k: the optimizer's own bytes: its states (Adam 8, SGD with momentum 4, plain SGD 0) plus, in
+  16-bit training, the fp32 master copy (4). Mixed-precision Adam has k = 12, as in the paper.
+
+What each stage keeps per rank, Psi parameters over N ranks (zeroshard's runtime keeps exactly this,
+padding aside; `Chunk.state_bytes` counts it):
+- stage 0: (p + g + k) Psi; stage 1: (p + g) Psi + k Psi / N; stage 2: p Psi + (g + k) Psi / N;
+  stage 3: (p + g + k) Psi / N.
+- offload "optimizer" (offload_optimizer) moves k to the host, and from stage 2 the gradient shard
+  too (stages 1: the full gradient stays on the device, its owned slice is copied down); "params"
+  (offload_params, stage 3) moves the parameter shard. Buffers of the stage-3 cache, activations and the
+  allocator's slack are not model states and are not counted.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal
+
+OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
+COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Model-state bytes per rank, on the device and on the host."""
+
+    stage: int
+    offload: str  # "none", "optimizer", "params" or "optimizer+params"
+    device: float
+    host: float
+
+
+def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = "adam",
+              offload: str = "none") -> tuple[float, float]:
+    """(device, host) bytes per parameter on one rank."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0-3, got {stage}")
+    if offload not in ("none", "optimizer", "params", "optimizer+params"):
+        raise ValueError(f"offload must be 'none', 'optimizer', 'params' or 'optimizer+params', got {offload!r}")
+    if offload != "none" and stage == 0:
+        raise ValueError("offload needs stage >= 1")
+    if "params" in offload and stage != 3:
+        raise ValueError("offloading parameters needs stage 3")
+    p = g = COMPUTE_BYTES[precision]
+    k = OPTIMIZER_BYTES[optimizer] + (4 if precision != "fp32" else 0)
+    n = world
+    params = p / n if stage == 3 else p
+    grads = g / n if stage >= 2 else g
+    opt = k / n if stage >= 1 else k
+    device, host = params + grads + opt, 0.0
+    if "optimizer" in offload:
+        device -= opt
+        host += opt
+        if stage >= 2:  # the reduced gradient shard goes to the host with the optimizer
+            device -= grads
+            host += grads
+        else:  # stages 0-1 keep the full gradient on the device; its owned slice is copied down
+            host += g / n
+    if "params" in offload:
+        device -= params
+        host += params
+    return device, host
+
+
+def estimate(params: float, stage: int, world: int, **kw) -> Estimate:
+    """Model-state bytes per rank for `params` parameters."""
+    d, h = per_param(stage, world, **kw)
+    return Estimate(stage, kw.get("offload", "none"), d * params, h * params)
+
+
+def largest_model(device_bytes: float, stage: int, world: int, **kw) -> float:
+    """The most parameters whose model states fit in `device_bytes` per device (activations and
+    buffers not counted); inf when nothing stays on the device."""
+    d, _ = per_param(stage, world, **kw)
+    return math.inf if d == 0 else device_bytes / d
+
+
+# -- the paper's tables, rounded as the paper rounds ------------------------------------------------
+TABLE1_MODELS = (7.5e9, 128e9, 1e12)
+TABLE1_WORLDS = (1, 4, 16, 64, 256, 1024)
+
+
+def paper_gb(x: float) -> str:
+    """Table 1's rounding of a size in GB (1e9 bytes): below 10, two decimals; below 100, one
+    decimal (half up); from 100, whole GB, truncated. Trailing zeros dropped. (Read off the table:
+    41.25 -> 41.3, 1.875 -> 1.88, 0.46875 -> 0.47, 513.5 -> 513, 4187.5 -> 4187.)"""
+    d = Decimal(repr(x))
+    if x >= 100:
+        return str(int(x))
+    q = Decimal("0.01") if x < 10 else Decimal("0.1")
+    text = str(d.quantize(q, rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def table1() -> list[list[str]]:
+    """ZeRO Table 1: per-device model-state GB of P_os, P_os+g, P_os+g+p (stages 1-3), mixed-precision
+    Adam, for 7.5B, 128B and 1T parameters over DP degrees 1-1024. Rows: [DP, 9 cells]."""
+    return [[str(n)] + [paper_gb(estimate(psi, stage, n).device / 1e9) for psi in TABLE1_MODELS for stage in (1, 2, 3)]
+            for n in TABLE1_WORLDS]
+
+
+def table2() -> list[list[str]]:
+    """ZeRO Table 2, theoretical columns: the largest model that fits 32 GB V100s at 64-way data
+    parallelism times an MP degree of 1-16 (MP splits the model, so the size scales with it).
+    Rows: [MP, GPUs, baseline, P_os, P_os+g, P_os+g+p]. The paper rounds the MP-1 size to 0.1B and
+    scales that; from 512B it writes T = 1024B."""
+    out = []
+    for mp in (1, 2, 4, 8, 16):
+        row = [str(mp), str(64 * mp)]
+        for stage in (0, 1, 2, 3):
+            base = round(largest_model(32e9, stage, 64) / 1e9, 1)
+            b = base * mp
+            row.append(f"{b / 1024:g}T" if b >= 512 else f"{b:g}B")
+        out.append(row)
+    return out
