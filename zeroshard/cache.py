@@ -49,6 +49,11 @@ class ChunkCache:
         self.departures = 0  # uses that were not the one the schedule expected
         self.off_schedule = False
 
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the chunks gathered (or gathering) now."""
+        return self._bytes
+
     def set_chunks(self, chunks: list[Chunk]) -> None:
         self.chunks_by_index = {c.index: c for c in chunks}
 

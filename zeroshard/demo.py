@@ -6,6 +6,11 @@ The data is synthetic and learnable: each sequence repeats a random motif, so a 
 to copy from context drives the loss well below log(vocab). Every few steps rank 0 prints the
 step, the loss averaged over ranks, tokens/s over all ranks, and the model-state bytes each rank
 holds (parameters, gradients, optimizer states), which shrink with the stage.
+
+It also records each rank's memory over two steps (model states, rCache, gradient buffers,
+activations; zeroshard.timeline) and, for stages 1-3, over two steps of a stage-0 run of the same
+model, and saves both side by side as a PNG (--memory-plot; needs matplotlib): at stage 3 the model
+states per rank are about 1/N of stage 0's.
 """
 from __future__ import annotations
 
@@ -17,11 +22,62 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+import zeroshard.timeline
+
+VOCAB = 256
 
 
 def motif_batch(gen, batch, seq, vocab, motif=8):
     base = torch.randint(0, vocab, (batch, motif), generator=gen)
     return base.repeat(1, math.ceil(seq / motif))[:, :seq]
+
+
+def build(args, stage: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=args.seq,
+                                       bos_token_id=0, eos_token_id=0))
+    return zeroshard.initialize(
+        model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0),
+        config={"stage": stage, "precision": args.precision, "cache_chunks": args.cache_chunks,
+                "clip_grad_norm": 1.0})
+
+
+def train_step(engine, x) -> torch.Tensor:
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    engine.step()
+    return loss.detach().float()
+
+
+def memory_plot(args, engine, timeline) -> None:
+    """Two recorded steps of a stage-0 run of the same model beside the run's own, in one PNG."""
+    rank, world = engine.comm.rank, engine.comm.world
+    timelines = {}
+    if args.stage != 0:
+        ref = build(args, 0)
+        gen = torch.Generator().manual_seed(1000 + rank)
+        for step in range(3):
+            if step == 1:
+                ref.record_memory(steps=2)
+            train_step(ref, motif_batch(gen, args.batch, args.seq, VOCAB))
+        timelines["stage 0"] = ref.timeline
+    timelines[f"stage {args.stage}"] = timeline
+    states = {k: max(s.device_states + s.host_states for s in t.samples) for k, t in timelines.items()}
+    if rank != 0:
+        return
+    line = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in states.items())
+    if args.stage != 0:
+        line += f": stage {args.stage} holds {states[f'stage {args.stage}'] / states['stage 0']:.2f} of stage 0 (1/N = {1 / world:.2f})"
+    print(f"model states per rank (rank 0): {line}", flush=True)
+    if not args.memory_plot:
+        return
+    try:
+        zeroshard.timeline.plot(timelines, args.memory_plot,
+                                suptitle=f"zeroshard demo: memory of rank 0 of {world}, two training steps, {args.precision}")
+        print(f"memory timeline saved to {args.memory_plot}", flush=True)
+    except ImportError as e:
+        print(f"no memory plot: {e}", flush=True)
 
 
 def main(argv=None):
@@ -33,34 +89,32 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--cache-chunks", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--memory-plot", default="zeroshard-memory.png",
+                    help="PNG of the memory timeline (stage 0 beside --stage); '' for none")
     args = ap.parse_args(argv)
+    if args.steps < 3:
+        ap.error("--steps must be at least 3 (steps 2-3 are recorded for the memory timeline)")
 
     import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from tqdm import tqdm
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    vocab = 256
-    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=vocab, n_positions=args.seq,
-                                       bos_token_id=0, eos_token_id=0))
-    engine = zeroshard.initialize(
-        model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0),
-        config={"stage": args.stage, "precision": args.precision, "cache_chunks": args.cache_chunks,
-                "clip_grad_norm": 1.0})
+    engine = build(args, args.stage)
     rank, world = engine.comm.rank, engine.comm.world
     gen = torch.Generator().manual_seed(1000 + rank)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in engine.module.parameters())
     if rank == 0:
         print(f"zeroshard demo: GPT-2 {n_params / 1e6:.2f}M parameters, stage {args.stage}, {args.precision}, "
               f"{world} process(es) on {engine.device}, {args.batch}x{args.seq} tokens per rank per step",
               flush=True)
     t0, tokens, loss_sum, since_log = time.perf_counter(), 0, torch.zeros(1), 0
+    bar = tqdm(total=args.steps, desc="training", unit="step", disable=rank != 0 or None, leave=False)
     for step in range(1, args.steps + 1):
-        x = motif_batch(gen, args.batch, args.seq, vocab)
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        loss_sum += loss.detach().float()
+        x = motif_batch(gen, args.batch, args.seq, VOCAB)
+        if step == 2:
+            engine.record_memory(steps=2)
+        loss_sum += train_step(engine, x)
+        bar.update()
         since_log += 1
         tokens += x.numel() * world
         if step % args.log_every == 0 or step == args.steps:
@@ -77,12 +131,14 @@ def main(argv=None):
             dt = time.perf_counter() - t0
             if rank == 0:
                 per_rank = " ".join(f"{m:.1f}" for m in mib)
-                print(f"step {step:4d}/{args.steps}  loss {mean_loss:.3f}  {tokens / dt:,.0f} tokens/s  "
-                      f"model states per rank (MiB): {per_rank}  comm/step: {s['comm_elements'] / 1e6:.2f}M elements",
-                      flush=True)
+                bar.set_postfix(loss=f"{mean_loss:.3f}")
+                bar.write(f"step {step:4d}/{args.steps}  loss {mean_loss:.3f}  {tokens / dt:,.0f} tokens/s  "
+                          f"model states per rank (MiB): {per_rank}  comm/step: {s['comm_elements'] / 1e6:.2f}M elements")
+    bar.close()
     if rank == 0:
-        print(f"done in {time.perf_counter() - t0:.1f}s (log(vocab) = {math.log(vocab):.2f}: "
+        print(f"done in {time.perf_counter() - t0:.1f}s (log(vocab) = {math.log(VOCAB):.2f}: "
               "a loss well below it means the model learned to copy)", flush=True)
+    memory_plot(args, engine, engine.timeline)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ from .config import Config
 from .hooks import ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
 from .offload import ActivationOffload, Pending, Placement, Transfer
 from .optimizer import PROBE_NUMEL, LossScaler, ShardedOptimizer, default_optimizer, probe_state
+from .timeline import MemoryTimeline, _Saved
 
 log = logging.getLogger("zeroshard")
 
@@ -71,6 +72,7 @@ class Engine:
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self.steps = 0
         self._stats = {}
+        self.timeline = None  # a MemoryTimeline while record_memory() is on
 
         # Parameters, deduplicated (tied weights are one parameter), with their first name.
         self.params: list[nn.Parameter] = []
@@ -220,13 +222,16 @@ class Engine:
         if self.hooks is not None:
             self.hooks.close_open_forwards()
             self.cache.cursor = 0  # every forward (micro-batch or evaluation) replays the schedule
-        if torch.is_grad_enabled() and (self.hooks is not None or self._act_offload is not None):
+        tracking = self.timeline is not None and self.timeline.recording
+        if torch.is_grad_enabled() and (self.hooks is not None or self._act_offload is not None or tracking):
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
                 out = self.module(*args, **kwargs)
         else:
             out = self.module(*args, **kwargs)
         if recording:
             self._finish_recording()
+        if tracking:
+            self.timeline.sample("forward")
         return out
 
     forward = __call__
@@ -250,11 +255,19 @@ class Engine:
             ref = self.hooks.pack_chunk_view(t)
             if ref is not None:
                 return ref
+        packed = t
         if self._act_offload is not None:
-            return self._act_offload.pack(t)
-        return t
+            packed = self._act_offload.pack(t)
+        if self.timeline is not None and self.timeline.recording and not self._is_chunk_storage(t):
+            if isinstance(packed, Pending):
+                return self.timeline.track(packed, packed.tensor, on_host=True)
+            if packed is t:
+                return self.timeline.track(packed, t, on_host=False)
+        return packed
 
     def _unpack_saved(self, packed):
+        if isinstance(packed, _Saved):
+            packed = packed.inner
         if isinstance(packed, ChunkView):
             return self.hooks.unpack_chunk_view(packed)
         if isinstance(packed, Pending):
@@ -294,6 +307,8 @@ class Engine:
         self._flush_reductions()
         self.micro_steps += 1
         self.grads_pending = True
+        if self.timeline is not None:
+            self.timeline.sample("backward")
         if self.cache.recording and self._micro_layout_final:
             self.cache.recording = False
         elif self.cache.recording:
@@ -313,6 +328,8 @@ class Engine:
                 self._finish_completed_reductions()
         if self.hooks is not None:
             self.hooks.grad_arrived(p)
+        if self.timeline is not None:
+            self.timeline.sample("backward", slot.name)
 
     def _start_reduce(self, chunk: Chunk) -> None:
         if self.config.check_order:
@@ -359,6 +376,8 @@ class Engine:
             self.cache.flush()
         self.steps += int(applied)
         self._record_stats(applied)
+        if self.timeline is not None:
+            self.timeline.step_done()
         return applied
 
     def zero_grad(self) -> None:
@@ -409,7 +428,19 @@ class Engine:
         from .checkpoint import load
         return load(self, path, tag, load_optimizer)
 
-    def _record_stats(self, applied: bool) -> None:
+    def record_memory(self, steps: int | None = 1) -> MemoryTimeline:
+        """Record this rank's memory (model states on device and host, rCache, gradient buffers,
+        activations; bytes) over the next `steps` optimizer steps (None: until `.stop()`), sampled
+        after each module's forward, each gradient's arrival and each phase. Returns the timeline,
+        also at `engine.timeline`; `.plot(path)` saves a PNG, `.samples` holds the figures."""
+        if self.timeline is not None:
+            self.timeline.stop()
+        self.timeline = MemoryTimeline(self, steps)
+        return self.timeline
+
+    def model_state_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Bytes of model states this rank keeps between steps, by kind ('params', 'grads',
+        'optimizer': fp32 masters and the optimizer's states) and by where ('device', 'host')."""
         opt_bytes = self.optim.state_bytes()
         by_kind = {"params": 0, "grads": 0, "optimizer": sum(opt_bytes.values())}
         by_device = {"device": opt_bytes[False], "host": opt_bytes[True]}
@@ -417,6 +448,10 @@ class Engine:
             for kind, on_host, n in c.state_bytes():
                 by_kind["optimizer" if kind == "master" else kind] += n
                 by_device["host" if on_host else "device"] += n
+        return by_kind, by_device
+
+    def _record_stats(self, applied: bool) -> None:
+        by_kind, by_device = self.model_state_bytes()
         self._stats = {
             "step": self.steps,
             "applied": applied,

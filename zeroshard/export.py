@@ -37,13 +37,14 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     file, or a folder); returns the safetensors file's path. dtype: convert floating tensors
     (default: as saved, fp32 masters). batch_bytes: most bytes read from the shards at once (also at
     most half the largest shard).
-    verify: check every file's checksum first. progress: called with one line of text now and then
-    (default: stderr)."""
+    verify: check every file's checksum first. progress: called with one line of text now and then;
+    by default a progress bar on stderr when it is a terminal, and the closing line."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if sys.byteorder != "little":  # tensors are written as they are in memory
         raise CheckpointError("zeroshard export: safetensors is little-endian; this machine is not")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    lines = progress  # None: a progress bar instead of lines while writing
     t0 = time.perf_counter()
     path = resolve(ckpt)
     sums = read_sums(path)
@@ -86,7 +87,7 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     total = begin
     tmp = target + f".partial-{os.getpid()}"  # renamed when complete and checked: no half-written OUT
     try:
-        _write(tmp, text, entries, saved, path, batch_bytes, total, say)
+        _write(tmp, text, entries, saved, path, batch_bytes, total, lines)
         _check(tmp, entries)
         os.replace(tmp, target)
     except BaseException:
@@ -102,8 +103,11 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
 
 
 def _write(tmp: str, header: bytes, entries, saved, path: str, batch_bytes: int, total: int, say) -> None:
+    from tqdm import tqdm
     written, next_report = 0, 0.1
-    with open(tmp, "wb") as f:
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="zeroshard export", leave=False,
+               disable=True if say is not None else None)  # None: shown on a terminal only
+    with bar, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         i = 0
@@ -124,8 +128,9 @@ def _write(tmp: str, header: bytes, entries, saved, path: str, batch_bytes: int,
                 if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
                     f.write((ctypes.c_char * (t.numel() * want.itemsize)).from_address(t.data_ptr()))
                 written += t.numel() * want.itemsize
+                bar.update(t.numel() * want.itemsize)
             del state
-            if total and written / total >= next_report:
+            if say is not None and total and written / total >= next_report:
                 say(f"zeroshard export: {written / 1e6:,.1f} / {total / 1e6:,.1f} MB")
                 next_report = written / total + 0.1
         f.flush()

@@ -251,7 +251,7 @@ class Planner:
         smallest = _round_up(max(x.numel for x in p.params), world * ALIGN)
         sizes = sorted({_round_up(int(smallest * (1 + j / 32)), world * ALIGN) for j in range(candidates)})
         results = []
-        for size in sizes:
+        for size in _progress(sizes, "zeroshard: chunk sizes"):
             lay = layout(p, size, world)
             seq = chunk_sequence(p, lay)
             blocks = self.cache_budget // max(lay.padded) - 2  # one block to prefetch into, one to reduce
@@ -393,7 +393,7 @@ class Planner:
         if 2 in stages:
             options.append(self._best_placement("plan", 2, None, offload))
         if 3 in stages:
-            for k in range(self.k_min, max(self.k_min, n_chunks - 1) + 1):
+            for k in _progress(range(self.k_min, max(self.k_min, n_chunks - 1) + 1), "zeroshard: cache sizes"):
                 options.append(self._best_placement("plan", 3, k, offload))
         fitting = [p for p in options if p.fits]
         if fitting:
@@ -453,3 +453,9 @@ class Planner:
             lines.append(f"Sharded model states take {fmt_bytes(states)} per device at {self.target.world} "
                          "device(s): more devices divide them.")
         return " ".join(lines)
+
+
+def _progress(items, desc: str):
+    """A progress bar over `items` on a terminal (tqdm hides it elsewhere), for large models' plans."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, leave=False, disable=None, mininterval=0.5)
