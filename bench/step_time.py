@@ -86,9 +86,10 @@ def build(name, args):
     return step, engine
 
 
-def run(name, args, data):
+def timed_steps(step, data, args) -> tuple[list[float], list[float]]:
+    """Run `step` over args.steps batches of `data`; returns every timed step's time (the slowest
+    rank's, the first args.warmup left out) and the first three global-mean losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    step, engine = build(name, args)
     times, losses = [], []
     for i in range(args.steps):
         x = data[i, rank]
@@ -105,7 +106,13 @@ def run(name, args, data):
     # A step is as slow as its slowest rank.
     all_times = [None] * world
     dist.all_gather_object(all_times, times)
-    step_times = [max(ts) for ts in zip(*all_times)]
+    return [max(ts) for ts in zip(*all_times)], losses
+
+
+def run(name, args, data):
+    step, engine = build(name, args)
+    step_times, losses = timed_steps(step, data, args)
+    world = dist.get_world_size()
     row = {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times,
            "losses": losses}
     if engine is not None:
@@ -114,7 +121,8 @@ def run(name, args, data):
         dist.all_gather_object(state, s["model_state_bytes"])
         row.update(comm_elements=s["comm_elements"], padded_elements=s["padded_elements"],
                    num_params=s["num_params"], comm_psi=s["comm_elements"] / s["padded_elements"],
-                   model_state_mib_per_rank=[b / 2**20 for b in state])
+                   model_state_mib_per_rank=[b / 2**20 for b in state],
+                   cache_peak_chunks=s.get("cache_peak_chunks"), cache_overflows=s.get("cache_overflows"))
     del step, engine
     gc.collect()
     return row

@@ -235,6 +235,14 @@ class Chunk:
 
     def finish_reduce(self) -> None:
         """Wait for this backward pass's reductions and fold them into the kept gradient."""
+        if self.stash is not None and not self.reduced:
+            # Late gradients have started a new buffer that is not reduced yet: the stashed
+            # reduction is folded in with that one's, later in this backward.
+            buf, work = self.stash
+            if work is not None:
+                work.wait()
+            self.stash = (buf, None)
+            return
         stashed = None
         if self.stash is not None:
             stashed, work = self.stash

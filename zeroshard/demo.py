@@ -15,6 +15,8 @@ states per rank are about 1/N of stage 0's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import time
 
@@ -70,6 +72,13 @@ def memory_plot(args, engine, timeline) -> None:
     if args.stage != 0:
         line += f": stage {args.stage} holds {states[f'stage {args.stage}'] / states['stage 0']:.2f} of stage 0 (1/N = {1 / world:.2f})"
     print(f"model states per rank (rank 0): {line}", flush=True)
+    if args.memory_json:
+        with open(args.memory_json, "w") as f:
+            json.dump({"world": world, "precision": args.precision, "timelines": {
+                k: {"model_states": states[k], **{f"peak_{x}": t.peak(x) for x in
+                                                  ("cache", "grad_buffers", "activations", "host_states")},
+                    "samples": [dataclasses.asdict(s) for s in t.samples]}
+                for k, t in timelines.items()}}, f)
     if not args.memory_plot:
         return
     try:
@@ -91,6 +100,7 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--memory-plot", default="zeroshard-memory.png",
                     help="PNG of the memory timeline (stage 0 beside --stage); '' for none")
+    ap.add_argument("--memory-json", default=None, help="also write rank 0's timeline figures (bytes) here")
     args = ap.parse_args(argv)
     if args.steps < 3:
         ap.error("--steps must be at least 3 (steps 2-3 are recorded for the memory timeline)")

@@ -33,6 +33,7 @@ from .timeline import MemoryTimeline, _Saved
 
 log = logging.getLogger("zeroshard")
 
+MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -339,10 +340,13 @@ class Engine:
     def _finish_completed_reductions(self) -> None:
         """Stages 2-3, during backward: finish the reductions that are done, oldest first, so their
         full gradient buffers are freed (and, with the optimizer offloaded, their reduced gradient
-        starts its copy to the host) while backward goes on."""
+        starts its copy to the host) while backward goes on. At most MAX_REDUCING stay in flight:
+        past that the oldest is waited for, so gradient buffers stay a constant size (ZeRO-R) even
+        where a backend's work never reports completion before wait() (gloo's reduce-scatter)."""
         while self._reducing:
             c = self._reducing[0]
-            if c.reduce_work is not None and not c.reduce_work.is_completed():
+            done = c.reduce_work is None or c.reduce_work.is_completed()
+            if not done and len(self._reducing) <= MAX_REDUCING:
                 return
             self._reducing.popleft()
             c.finish_reduce()
