@@ -81,11 +81,10 @@ def measure(rank, world, path, steps):
         engine = zeroshard.initialize(make_model(), optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0),
                                       config={"stage": stage, "precision": "bf16"}, device=_device(world))
         g = torch.Generator().manual_seed(1000 * stage + rank)
-        for _ in range(steps):
-            x = torch.randint(0, VOCAB, (B, T), generator=g)
-            engine.backward(engine(input_ids=x, labels=x).loss)
+        for _ in range(steps):  # the batch is not kept past its step: it would count as "live"
+            engine.backward(engine(input_ids=(x := torch.randint(0, VOCAB, (B, T), generator=g)), labels=x).loss)
             engine.step()
-        del x
+            del x
         s = engine.stats()
         mine = {"model_state_bytes": s["model_state_bytes"], "by_kind": s["model_state_bytes_by_kind"],
                 "live": live_tensor_bytes() - before}
@@ -104,9 +103,11 @@ def measure(rank, world, path, steps):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worlds", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=2, help="steps before measuring (at least 1: optimizer states exist from the first)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("--steps must be at least 1")
     from zeroshard.estimate import estimate
 
     rows = []

@@ -44,10 +44,11 @@ def test_activations_match_the_profilers_measurement(stage):
     assert tl.samples[-1].phase == "step"
 
 
-def test_recording_stops_and_changes_nothing():
-    plain = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "cache_chunks": 2})
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_recording_stops_and_changes_nothing(stage):
+    plain = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": stage, "cache_chunks": 2})
     train(plain, batches(4, 1, 1), 0)
-    engine, tl = recorded(3, steps=1)
+    engine, tl = recorded(stage, steps=1)
     n = len(tl.samples)
     assert not tl.recording
     train(engine, batches(4, 1, 1)[3:], 0)
@@ -55,6 +56,32 @@ def test_recording_stops_and_changes_nothing():
     a, b = plain.full_state_dict(), engine.full_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert tl.samples[-1].device_states == engine.stats()["model_state_bytes"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_forward_without_backward_frees_its_activations(stage):
+    engine, tl = recorded(stage, steps=None)
+    x = batches(1, 1, 1)[0, 0, 0]
+    out = engine(input_ids=x, labels=x)  # gradients on, no backward: an evaluation that forgot no_grad
+    assert tl._activations[False] > 0
+    del out
+    assert tl._activations[False] == 0  # freed by reference counting: no cycle through saved outputs
+    tl.stop()
+
+
+def test_inplace_change_of_a_saved_tensor_raises():
+    engine, tl = recorded(0, steps=None)
+
+    class Tanh(torch.nn.Module):
+        def forward(self, h):
+            y = torch.tanh(h)  # tanh saves its output
+            y.add_(1)  # ... which this changes: autograd's own check would raise
+            return y
+    engine.module.transformer.h[0].mlp.act = Tanh()
+    x = batches(1, 1, 1)[0, 0, 0]
+    loss = engine(input_ids=x, labels=x).loss
+    with pytest.raises(RuntimeError, match="inplace"):
+        engine.backward(loss)
 
 
 def test_plot_and_json(tmp_path):

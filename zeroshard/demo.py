@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 
 import torch
@@ -56,7 +57,7 @@ def memory_plot(args, engine, timeline) -> None:
     """Two recorded steps of a stage-0 run of the same model beside the run's own, in one PNG."""
     rank, world = engine.comm.rank, engine.comm.world
     timelines = {}
-    if args.stage != 0:
+    if args.stage != 0 and (args.memory_plot or args.memory_json):
         ref = build(args, 0)
         gen = torch.Generator().manual_seed(1000 + rank)
         for step in range(3):
@@ -69,7 +70,7 @@ def memory_plot(args, engine, timeline) -> None:
     if rank != 0:
         return
     line = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in states.items())
-    if args.stage != 0:
+    if "stage 0" in timelines and args.stage != 0:
         line += f": stage {args.stage} holds {states[f'stage {args.stage}'] / states['stage 0']:.2f} of stage 0 (1/N = {1 / world:.2f})"
     print(f"model states per rank (rank 0): {line}", flush=True)
     if args.memory_json:
@@ -143,7 +144,9 @@ def main(argv=None):
                 per_rank = " ".join(f"{m:.1f}" for m in mib)
                 bar.set_postfix(loss=f"{mean_loss:.3f}")
                 bar.write(f"step {step:4d}/{args.steps}  loss {mean_loss:.3f}  {tokens / dt:,.0f} tokens/s  "
-                          f"model states per rank (MiB): {per_rank}  comm/step: {s['comm_elements'] / 1e6:.2f}M elements")
+                          f"model states per rank (MiB): {per_rank}  comm/step: {s['comm_elements'] / 1e6:.2f}M elements",
+                          file=sys.stdout)
+                sys.stdout.flush()  # torchrun pipes stdout: lines would otherwise wait for the exit
     bar.close()
     if rank == 0:
         print(f"done in {time.perf_counter() - t0:.1f}s (log(vocab) = {math.log(VOCAB):.2f}: "

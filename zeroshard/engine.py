@@ -29,12 +29,23 @@ from .config import Config
 from .hooks import ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
 from .offload import ActivationOffload, Pending, Placement, Transfer
 from .optimizer import PROBE_NUMEL, LossScaler, ShardedOptimizer, default_optimizer, probe_state
-from .timeline import MemoryTimeline, _Saved
+from .timeline import MemoryTimeline
 
 log = logging.getLogger("zeroshard")
 
 MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Saved:
+    """A tensor saved for backward while zeroshard's saved-tensor hooks are on. `inner` is detached:
+    a saved output holding its own graph would make a cycle the garbage collector keeps when no
+    backward comes. `version` lets unpacking raise as autograd does on a later in-place change
+    (None: an offloaded copy, which the change cannot reach)."""
+    __slots__ = ("inner", "version", "__weakref__")
+
+    def __init__(self, inner, version: int | None):
+        self.inner, self.version = inner, version
 
 
 def default_device() -> torch.device:
@@ -256,18 +267,23 @@ class Engine:
             ref = self.hooks.pack_chunk_view(t)
             if ref is not None:
                 return ref
-        packed = t
-        if self._act_offload is not None:
-            packed = self._act_offload.pack(t)
-        if self.timeline is not None and self.timeline.recording and not self._is_chunk_storage(t):
-            if isinstance(packed, Pending):
-                return self.timeline.track(packed, packed.tensor, on_host=True)
-            if packed is t:
-                return self.timeline.track(packed, t, on_host=False)
-        return packed
+        packed = self._act_offload.pack(t) if self._act_offload is not None else t
+        tracking = self.timeline is not None and self.timeline.recording
+        if isinstance(packed, Pending):
+            return self.timeline.track(Saved(packed, None), packed.tensor, on_host=True) if tracking else packed
+        saved = Saved(t.detach(), t._version)
+        if tracking and not self._is_chunk_storage(t):
+            on_host = t.device.type == "cpu" and self.device.type != "cpu"
+            self.timeline.track(saved, t, on_host)
+        return saved
 
     def _unpack_saved(self, packed):
-        if isinstance(packed, _Saved):
+        if isinstance(packed, Saved):
+            if packed.version is not None and packed.inner._version != packed.version:
+                raise RuntimeError(
+                    "zeroshard: a tensor saved for backward was modified by an inplace operation after it "
+                    f"was saved (version {packed.inner._version}, saved at {packed.version}; shape "
+                    f"{tuple(packed.inner.shape)}): autograd would compute a wrong gradient")
             packed = packed.inner
         if isinstance(packed, ChunkView):
             return self.hooks.unpack_chunk_view(packed)
@@ -277,7 +293,10 @@ class Engine:
 
     def _is_chunk_storage(self, t: torch.Tensor) -> bool:
         """Whether `t` is (a view of) model state: a chunk's storage."""
-        ptr = t.untyped_storage().data_ptr()
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # sparse or storage-less subclass: not a chunk
+            return False
         return any(x is not None and x.untyped_storage().data_ptr() == ptr
                    for c in self.chunks for x in (c.full, c.shard, c.master))
 
@@ -322,6 +341,8 @@ class Engine:
         chunk.accumulate_grad(slot, p.grad)
         p.grad = None
         chunk.grads_seen += 1
+        if self.timeline is not None:  # before finishing reductions: the most gradient buffers held
+            self.timeline.sample("backward", slot.name)
         if self._reduce_now and not chunk.reduced and chunk.grads_seen == chunk.expected_grads:
             self._start_reduce(chunk)
             if self.stage >= 2:
@@ -329,8 +350,6 @@ class Engine:
                 self._finish_completed_reductions()
         if self.hooks is not None:
             self.hooks.grad_arrived(p)
-        if self.timeline is not None:
-            self.timeline.sample("backward", slot.name)
 
     def _start_reduce(self, chunk: Chunk) -> None:
         if self.config.check_order:

@@ -13,7 +13,10 @@ Vocabulary (the fields of a `Sample`, all in bytes of this rank):
   this rank's shard is kept.
 - activations: tensors autograd saved for backward that are not model states, each storage
   counted once, from the moment it is saved until autograd lets go of it (after the backward of the
-  operation that saved it). Offloaded activations (offload_activations) count as host bytes.
+  operation that saved it). Offloaded activations (offload_activations) count as host bytes. A
+  saved view counts its whole storage, as that is what stays alive (a batch sliced from a larger
+  tensor counts the larger tensor). With activation checkpointing, what a region saves when it is
+  recomputed in backward is not seen, nor what non-reentrant regions save.
 
 Samples are taken after each module's forward (modules that own parameters), when each parameter's
 gradient arrives, and at the end of the forward, the backward and the optimizer step. On CUDA each
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 import weakref
 
@@ -47,14 +51,6 @@ class Sample:
     allocated: int | None  # torch.cuda.memory_allocated; None off CUDA
 
 
-class _Saved:
-    """What autograd keeps for a counted saved tensor: the packed value; its death releases the bytes."""
-    __slots__ = ("inner", "__weakref__")
-
-    def __init__(self, inner):
-        self.inner = inner
-
-
 class MemoryTimeline:
     """Samples of one rank's memory over the steps recorded. Build it with `engine.record_memory`."""
 
@@ -67,9 +63,16 @@ class MemoryTimeline:
         self._t0 = time.perf_counter()
         self._live: dict[tuple[bool, str, int], list[int]] = {}  # (on host, device, ptr) -> [refs, bytes]
         self._activations = {False: 0, True: 0}
+        self._lock = threading.Lock()
         names = {m: n or type(m).__name__ for n, m in engine.module.named_modules()}
-        self._handles = [m.register_forward_hook(lambda mod, a, o, n=n: self.sample("forward", n))
+        self._handles = [m.register_forward_hook(lambda mod, a, o, n=n: self._module_done(n))
                          for m, n in names.items() if any(p is not None for p in m._parameters.values())]
+
+    def _module_done(self, name: str) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a checkpointed region recomputed in backward
+            self.sample("backward", name + " (recomputed)")
+        else:
+            self.sample("forward", name)
 
     # -- recording ------------------------------------------------------------------------------
     def sample(self, phase: str, where: str = "end") -> None:
@@ -101,25 +104,29 @@ class MemoryTimeline:
             h.remove()
         self._handles = []
 
-    def track(self, packed, t: torch.Tensor, on_host: bool) -> _Saved:
-        """Count `t` (saved for backward, packed as `packed`) until autograd drops it."""
-        storage = t.untyped_storage()
+    def track(self, saved, t: torch.Tensor, on_host: bool):
+        """Count `t`'s storage from now until autograd drops `saved` (what it keeps for `t`)."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or storage-less subclass: not counted
+            return saved
         key = (on_host, str(t.device), storage.data_ptr())
-        entry = self._live.get(key)
-        if entry is None:
-            entry = self._live[key] = [0, storage.nbytes()]
-            self._activations[on_host] += entry[1]
-        entry[0] += 1
-        saved = _Saved(packed)
+        with self._lock:  # on CUDA, autograd's device threads drop saved tensors too
+            entry = self._live.get(key)
+            if entry is None:
+                entry = self._live[key] = [0, storage.nbytes()]
+                self._activations[on_host] += entry[1]
+            entry[0] += 1
         weakref.finalize(saved, self._release, key)
         return saved
 
     def _release(self, key) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._live[key]
-            self._activations[key[0]] -= entry[1]
+        with self._lock:
+            entry = self._live[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._live[key]
+                self._activations[key[0]] -= entry[1]
 
     # -- reading --------------------------------------------------------------------------------
     def peak(self, field: str) -> int:
@@ -155,13 +162,13 @@ def plot(timelines: dict[str, MemoryTimeline], path, suptitle: str | None = None
     (say stage 0 and stage 3) compare at a glance. Each panel stacks device model states, rCache,
     gradient buffers and activations over the samples, with host model states as a dashed line and,
     on CUDA, the allocator's figure as a dotted one; the background marks forward, backward and step."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own, not pyplot: the process's backend and open figures stay as they are
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError("zeroshard: plotting a memory timeline needs matplotlib: pip install matplotlib") from e
-    fig, axes = plt.subplots(1, len(timelines), figsize=(6.5 * len(timelines), 4.2), sharey=True, squeeze=False)
+    fig = Figure(figsize=(6.5 * len(timelines), 4.2))
+    axes = fig.subplots(1, len(timelines), sharey=True, squeeze=False)
     for ax, (label, tl) in zip(axes[0], timelines.items()):
         s = tl.samples
         x = range(len(s))
@@ -183,7 +190,6 @@ def plot(timelines: dict[str, MemoryTimeline], path, suptitle: str | None = None
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].set_ylabel("bytes held by this rank (MiB)")
     handles, labels = axes[0][-1].get_legend_handles_labels()
-    from matplotlib.patches import Patch
     handles += [Patch(color=c, label=p) for p, c in _PHASE_COLOURS.items()]
     labels += list(_PHASE_COLOURS)
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
@@ -191,4 +197,3 @@ def plot(timelines: dict[str, MemoryTimeline], path, suptitle: str | None = None
         fig.suptitle(suptitle)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
