@@ -168,3 +168,20 @@ def test_bad_optimizer_argument():
         zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=lambda ps: ps)
     engine = zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=torch.optim.SGD)  # a class works
     assert isinstance(engine.optimizer, torch.optim.SGD)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_dropped_engine_is_collected(stage):
+    """Its chunks, masters and optimizer states come back: nothing outside it keeps it alive (the
+    gradient hooks autograd holds in C++ reach it only weakly)."""
+    import gc
+    import weakref
+
+    from models import batches, make_adamw, tiny_gpt2, train
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": stage})
+    engine.record_memory(1)
+    train(engine, batches(2, 1, 1), 0)
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import logging
 import os
+import weakref
 
 import torch
 import torch.nn as nn
@@ -46,6 +47,17 @@ class Saved:
 
     def __init__(self, inner, version: int | None):
         self.inner, self.version = inner, version
+
+
+def _weak_method(method):
+    """A function that calls `method` while its object lives, without keeping the object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        if m is not None:
+            m(*args)
+    return call
 
 
 def default_device() -> torch.device:
@@ -120,9 +132,12 @@ class Engine:
         self.hooks = None
         if self.stage == 3:
             self.hooks = Stage3Hooks(module, self.cache, self._chunks_of, self.names, self.shapes, self.dtype)
+        # Through a weak reference: autograd keeps the hook in C++, where the garbage collector cannot
+        # see the cycle parameter -> hook -> engine -> module -> parameter, so a dropped engine would stay.
+        grad_arrived = _weak_method(self._grad_arrived)
         for p in self.params:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_arrived)
+                p.register_post_accumulate_grad_hook(grad_arrived)
         # First-use order: recorded in the first training forward; chunks are re-packed if it
         # differs from module order. The prefetch schedule is recorded over the first micro-batch
         # that runs entirely on the final packing.
