@@ -48,7 +48,8 @@ import torch.distributed as dist  # noqa: E402
 
 # The workload, its data and the timing loop are step_time.py's own, so both tables measure the same thing.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import B, REFERENCE_LOSSES, T, VOCAB, make_model, timed_steps  # noqa: E402
+from step_time import (B, REFERENCE_LOSSES, T, VOCAB, check_timing, make_model, timed_steps,  # noqa: E402
+                       timing_arguments)
 
 ALL_STAGES = [1, 2, 3]
 
@@ -114,9 +115,7 @@ def print_table(rows, machine, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20, help="steps per stage, warmup included")
-    ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
-    ap.add_argument("--json", help="also write the figures to this JSON file")
+    timing_arguments(ap)
     ap.add_argument("--stages", default="1,2,3", help="comma-separated subset of 1,2,3")
     args = ap.parse_args()
     try:
@@ -125,8 +124,7 @@ def main():
         ap.error(f"--stages takes numbers from {ALL_STAGES}")
     if sorted(set(stages) - set(ALL_STAGES)):
         ap.error(f"unknown stage(s) {sorted(set(stages) - set(ALL_STAGES))}; choose from {ALL_STAGES}")
-    if args.steps - args.warmup < 1 or args.steps < 3:
-        ap.error("need --steps >= 3 and at least one timed step after --warmup")
+    check_timing(ap, args)
 
     import deepspeed
     import transformers

@@ -146,11 +146,21 @@ def print_table(rows, machine, args):
           "ZeRO-3 1.49x; goals: zs1-zs2 <= 1.05x, zs3 <= 1.15x")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def timing_arguments(ap: argparse.ArgumentParser) -> None:
+    """--steps, --warmup and --json, as timed_steps reads them (deepspeed_step.py shares them)."""
     ap.add_argument("--steps", type=int, default=20, help="steps per system, warmup included")
     ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
     ap.add_argument("--json", help="also write the figures to this JSON file")
+
+
+def check_timing(ap: argparse.ArgumentParser, args) -> None:
+    if args.steps - args.warmup < 1 or args.steps < 3:
+        ap.error("need --steps >= 3 and at least one timed step after --warmup")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    timing_arguments(ap)
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
     ap.add_argument("--cache-chunks", type=int, default=None, help="stage 3 rCache size (default unlimited)")
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
@@ -159,8 +169,7 @@ def main():
     unknown = sorted(set(systems) - set(ALL_SYSTEMS))
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
-    if args.steps - args.warmup < 1 or args.steps < 3:
-        ap.error("need --steps >= 3 and at least one timed step after --warmup")
+    check_timing(ap, args)
 
     import transformers
     transformers.logging.set_verbosity_error()
