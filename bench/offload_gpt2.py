@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=None, help="default 4096 on CUDA, 128 on CPU")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--accumulation", type=int, default=1,
+                    help="micro-batches of --batch samples per optimizer step (the CPU step is paid once per step)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--offload-params", action="store_true")
@@ -95,7 +97,8 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build(n_layer, d, seq)
     config = {"stage": 3 if args.offload_params else 2, "precision": "bf16", "offload_optimizer": True,
-              "offload_params": args.offload_params, "offload_activations": args.offload_activations}
+              "offload_params": args.offload_params, "offload_activations": args.offload_activations,
+              "gradient_accumulation_steps": args.accumulation}
     engine = zeroshard.initialize(model, lambda ps: zeroshard.CPUAdamW(ps, lr=1e-4), config)
     print(f"set-up {time.perf_counter() - t0:.0f} s; config {config}")
 
@@ -103,13 +106,14 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for i in range(args.warmup + args.steps):
-        x = torch.randint(0, VOCAB, (args.batch, seq), generator=g)
+        xs = [torch.randint(0, VOCAB, (args.batch, seq), generator=g) for _ in range(args.accumulation)]
         if cuda and i == args.warmup:
             torch.cuda.reset_peak_memory_stats()
         sync()
         t = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
+        for x in xs:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
         sync()
         t_fb = time.perf_counter() - t
         engine.step()
@@ -123,18 +127,19 @@ def main() -> None:
     t_all = statistics.median(r[0] for r in rows)
     t_fb = statistics.median(r[1] for r in rows)
     s = rows[-1][2]
-    tokens = args.batch * seq
+    tokens = args.batch * seq * args.accumulation
     tflops = (6 * psi + 12 * n_layer * d * seq) * tokens / t_all / 1e12
     peak = torch.cuda.max_memory_allocated() if cuda else None
     by = s["model_state_bytes_by_device"]
     out = {
         "device": torch.cuda.get_device_name(0) if cuda else "cpu", "params": psi, "n_layer": n_layer,
-        "n_embd": d, "seq": seq, "batch": args.batch, "config": config, "step_s": t_all,
+        "n_embd": d, "seq": seq, "batch": args.batch, "accumulation": args.accumulation, "config": config, "step_s": t_all,
         "forward_backward_s": t_fb, "exposed_step_share": (t_all - t_fb) / t_all, "model_tflops": tflops,
         "peak_device_bytes": peak, "no_offload_model_state_bytes": 16 * psi,
         "model_state_bytes_by_device": by, "transfer_bytes": s["transfer_bytes"],
     }
-    print(f"\n{out['device']}: {psi / 1e9:.2f} B params, batch {args.batch} x {seq}")
+    print(f"\n{out['device']}: {psi / 1e9:.2f} B params, batch {args.batch} x {seq}"
+          + (f", {args.accumulation} micro-batches per step" if args.accumulation > 1 else ""))
     print(f"step {t_all:.2f} s (median of {len(rows)}): forward+backward {t_fb:.2f} s, exposed CPU step + "
           f"transfers {t_all - t_fb:.2f} s = {out['exposed_step_share']:.0%} of the step")
     print(f"model TFLOPS {tflops:.2f}")

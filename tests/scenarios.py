@@ -344,11 +344,12 @@ def _auto_caps(world, prec, opt, example):
     """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
     ZeRO-3 offload need on the chunks the planner picks at that cap)."""
     from zeroshard.engine import optimizer_state_bytes
+    from zeroshard.engine import default_device
     from zeroshard.hardware import probe
     from zeroshard.planner import FRAGMENTATION, Planner, Target
 
     prof = zeroshard.profile(tiny_gpt2(), example, dtype=prec)
-    hw = probe("cpu")
+    hw = probe(default_device())  # the engine plans for its own device (on CUDA: with the driver reserve)
 
     def planner(cap):
         return Planner(prof, Target(hw.with_(device_memory=cap), world=world, accumulation=2,

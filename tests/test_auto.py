@@ -8,10 +8,11 @@ Device bytes: the plan's `device_model_bytes` (model states + rCache) against st
 """
 import pytest
 
+from models import ADAMW_TOL
 from scenarios import AUTO_CASES
 from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
 
-TOL = {"fp32_sgd": 1e-5, "fp32_adamw": 3e-5, "bf16_cpuadamw": 1e-2}
+TOL = {"fp32_sgd": 1e-5, "fp32_adamw": ADAMW_TOL, "bf16_cpuadamw": 1e-2}
 
 
 @pytest.mark.parametrize("case", list(AUTO_CASES))

@@ -23,7 +23,7 @@ import zeroshard.export
 from checkpoint_scenarios import (CASES, HALF, STEPS, global_data, killed_save, resume_cases, resume_topology,
                                   save_cases, save_topology)
 from distributed import spawn
-from models import make_adamw, make_sgd, reference, tiny_gpt2
+from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
 from zeroshard.checkpoint import row_major_boxes
 
 WORLD = 2
@@ -75,7 +75,7 @@ TARGETS = {
                                        "offload_params": True}),
         "adamw_auto": ("adamw", {"stage": "auto", "offload": "auto", "device_memory": 1 << 40})},
 }
-TOL = {"sgd": 1e-6, "adamw": 3e-5}
+TOL = {"sgd": 1e-6, "adamw": ADAMW_TOL}
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,11 @@ def test_a_save_killed_part_way_leaves_the_previous_checkpoint(tmp_path, point, 
     assert all(torch.equal(got[k], want[k]) for k in want), point
     assert engine.steps == HALF
     tag_a = "keep" if point == "replace" else f"step{HALF}"
-    assert set(os.listdir(root)) - {"latest", tag_a}, "the killed save left nothing: it did not get far enough"
+    # The killed save must have got as far as leaving its partial files, except where another rank
+    # survived the kill: its save then fails in a collective and removes the partial directory
+    # itself (on a fast machine, before torch's spawn stops it; seen on an H100 host).
+    left = set(os.listdir(root)) - {"latest", tag_a}
+    assert left or (world > 1 and point == "write"), "the killed save left nothing: it did not get far enough"
     engine.save_checkpoint(root, tag="after")
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # leftovers cleared (or put back)
     assert (root / "latest").read_text().strip() == "after"

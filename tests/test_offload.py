@@ -4,9 +4,12 @@ the paper puts them, and every host<->device byte counted.
 Equality: fp32 and 16-bit runs with offload must equal the same run without offload bit for bit:
 the host path performs the same operations in the same order on the same values (gradients are
 accumulated and scaled in the same dtype, the optimizer runs the same kernel), only in other memory.
+On CUDA the run without offload steps on the GPU, so the two agree to the parity tolerances instead
+(measured on an H100 at world 1: fp32 AdamW 2.1e-6, bf16 2.8e-3 to 3.3e-3, fp16 1.5e-3).
 """
 import pytest
 
+from models import ADAMW_TOL, OFFLOAD_EXACT
 from scenarios import OFFLOAD_CASES, OFFLOAD_FLAGS
 from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
 
@@ -17,12 +20,12 @@ def test_offload_trains_the_same_model(res, case, stage):  # noqa: F811
     r, world = res
     got = ok(r, f"offload_{case}_stage{stage}")
     flags = [f for f in OFFLOAD_FLAGS if stage == 3 or f != "params"]  # "all": every flag the stage takes
+    tol = 1e-5 if case.startswith("fp32_sgd") else ADAMW_TOL if case.startswith("fp32") else 1e-2
     for flag in flags:
-        assert got[flag]["diff"] == 0.0, (flag, got[flag]["diff"])
+        assert got[flag]["diff"] <= (0.0 if OFFLOAD_EXACT else tol), (flag, got[flag]["diff"])
         moved = got[flag]["transfer_bytes"]
         assert moved["h2d"] > 0 and moved["d2h"] > 0, (flag, moved)  # the offload path really ran
     # ...and the run without offload is the model single-process PyTorch trains.
-    tol = 1e-5 if case.startswith("fp32_sgd") else 3e-5 if case.startswith("fp32") else 1e-2
     assert got["base_vs_ref"] <= tol
 
 

@@ -7,7 +7,7 @@ import torch
 import zeroshard
 from zeroshard import cpu_adam
 from zeroshard.config import load_config
-from models import batches, max_diff, tiny_gpt2, train
+from models import ADAMW_TOL, OFFLOAD_EXACT, batches, max_diff, tiny_gpt2, train
 
 
 def _pair(n=50_000, seed=0, **kw):
@@ -87,7 +87,7 @@ def test_stage3_frees_gathered_chunks_between_forward_and_backward():
     """Weights saved for backward (here as transposed views, as nn.Linear's matmul saves them) must
     not keep their gathered chunk alive: with a cache of one chunk, a forward through 12 chunks of
     4 MiB must leave about one chunk allocated, not twelve. Measured with torch's CPU memory
-    profiler (net bytes allocated during the forward)."""
+    profiler (net bytes allocated during the forward), or the CUDA allocator's count on a GPU."""
     from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     d = 1024
@@ -98,9 +98,15 @@ def test_stage3_frees_gathered_chunks_between_forward_and_backward():
     for _ in range(2):  # the first step records first-use order; the second runs the final layout
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    if engine.device.type == "cuda":  # the chunks live on the GPU: the allocator's own count
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         loss = engine(x).pow(2).mean()
-    held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
+        held = torch.cuda.memory_allocated() - before - loss.numel() * loss.element_size()
+    else:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            loss = engine(x).pow(2).mean()
+        held = sum(e.self_cpu_memory_usage for e in prof.key_averages())
     engine.backward(loss)
     engine.step()
     chunk_bytes = d * d * 4
@@ -122,4 +128,5 @@ def test_offload_with_several_param_groups_matches_no_offload():
         assert len(engine.chunks) >= 4
         train(engine, data, 0)
         out.append(engine.full_state_dict())
-    assert max_diff(out[0], out[1]) == 0.0
+    # bf16 on CUDA: the offloaded step runs on the host, the other on the GPU (see models.OFFLOAD_EXACT)
+    assert max_diff(out[0], out[1]) <= (0.0 if OFFLOAD_EXACT else 1e-2)

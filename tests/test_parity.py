@@ -3,7 +3,8 @@ batch, at world sizes 1, 2 and 3 (3 catches uneven shards and padding).
 
 Tolerances:
 - fp32 SGD+momentum: 1e-5 (SGD is linear in the gradient, so a missing or doubled 1/N shows).
-- fp32 AdamW: 3e-5. Adam divides by sqrt(second moment); where that is tiny, summation-order
+- fp32 AdamW: 3e-5 (1e-4 on CUDA: models.ADAMW_TOL). Adam divides by sqrt(second moment); where
+  that is tiny, summation-order
   rounding (ranks sum partial gradients in another order than one process does) is magnified.
   torch DDP on the same case lands ~1e-5 from the reference (scenario ddp_adamw_accum2).
 - 16-bit (bf16/fp16 compute, fp32 masters), AdamW lr 1e-3, 5 steps: max |diff| <= 1e-2 (2 * lr *
@@ -16,6 +17,7 @@ import pytest
 import torch.multiprocessing as mp  # noqa: F401  (spawn needs it importable)
 
 from distributed import spawn
+from models import ADAMW_TOL
 from scenarios import SCENARIOS, run_all
 
 WORLDS = (1, 2, 3)
@@ -53,7 +55,7 @@ def test_gpt2_sgd_matches_reference(res, mode, stage):
 def test_gpt2_adamw_matches_reference(res, mode, stage):
     r, _ = res
     got = ok(r, f"gpt2_adamw_{mode}_stage{stage}")
-    assert got["diff"] <= 3e-5
+    assert got["diff"] <= ADAMW_TOL
     if mode == "clip":  # clipping was active in the reference, so it was exercised
         assert max(got["ref_norms"]) > 0.5
         assert got["grad_norm"] > 0.5
@@ -63,7 +65,7 @@ def test_ddp_reference_point(res):
     r, world = res
     got = ok(r, "ddp_adamw_accum2")
     if world > 1:
-        assert got["diff"] <= 3e-5
+        assert got["diff"] <= ADAMW_TOL
         print(f"world {world}: DDP AdamW diff {got['diff']:.2e}, zeroshard stage 3 "
               f"{r['gpt2_adamw_accum2_stage3']['diff']:.2e}")
 

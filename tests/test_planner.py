@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import zeroshard
-from models import make_sgd, max_diff, reference, tiny_gpt2
-from zeroshard.hardware import GIB, Hardware
+from models import CUDA, make_sgd, max_diff, reference, tiny_gpt2
+from zeroshard.hardware import CUDA_RESERVE, GIB, Hardware
 from zeroshard.planner import Planner, Target, belady_loads, chunk_sequence, layout
+
+RESERVE = CUDA_RESERVE if CUDA else 0  # what the planner keeps back on the engine's device
 
 
 def brute_belady(seq, blocks):
@@ -38,6 +40,14 @@ def test_belady_matches_brute_force():
         assert peak <= sum(sorted((10 + c for c in set(seq)), reverse=True)[:blocks])
         if blocks >= len(set(seq)):
             assert sum(loads) == len(set(seq)) and peak == sum(10 + c for c in set(seq))
+
+
+def test_belady_counts_every_chunk_also_those_the_step_never_gathers():
+    """The planner indexes loads by chunk: a last chunk absent from the sequence (its parameters
+    unused in the profiled step) must get 0 loads, not be missing (IndexError in Planner.evaluate,
+    first seen profiling OPT-175B on an H100)."""
+    loads, _ = belady_loads([0, 1, 0, 2], 2, [5, 5, 5, 5, 5])
+    assert loads == [1, 1, 1, 0, 0]
 
 
 def gpt2_profile(dtype="bf16", **kw):
@@ -82,7 +92,7 @@ def test_plan_boundaries_and_budget():
 def test_nothing_fits_says_why_and_what_would():
     x = torch.randint(0, 128, (2, 32))
     with pytest.raises(RuntimeError, match="nothing fits.*micro-batch"):
-        zeroshard.initialize(tiny_gpt2(), make_sgd, {"offload": "auto", "stage": "auto", "device_memory": 100_000},
+        zeroshard.initialize(tiny_gpt2(), make_sgd, {"offload": "auto", "stage": "auto", "device_memory": RESERVE + 100_000},
                              example_inputs={"input_ids": x, "labels": x})
 
 
@@ -132,7 +142,7 @@ def test_runtime_departing_from_the_profile_keeps_training(caplog):
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
         engine = zeroshard.initialize(SkipsALayer(), plain_sgd,
                                       {"stage": 3, "offload": "auto", "chunk_size": 32 * 32 + 32,
-                                       "device_memory": 40_000}, example_inputs=data[0, 0, 0])
+                                       "device_memory": RESERVE + 40_000}, example_inputs=data[0, 0, 0])
         assert engine.plan.cache_chunks is not None and engine.plan.cache_chunks < 6
         departures = 0
         for step in data:

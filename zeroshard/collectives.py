@@ -6,16 +6,25 @@ Every collective zeroshard issues goes through `Comm`, which
 - handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
 - turns a world of one process (no process group) into local copies, so world size 1 runs the same
   code path as world size N;
+- runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
+  through host copies, so the engine's code is the same whatever the backend;
 - optionally checks, before a collective issued from a module hook, that every rank is about to
   issue the same one (see `check_order`), so a divergent call order raises instead of hanging.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
+# carry 2.11) have only the old names, with the same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # Order-check tags: (kind << 32) | chunk index, for the collectives that module hooks drive.
@@ -35,15 +44,48 @@ class DivergedError(RuntimeError):
     """Ranks were about to issue different collectives: their call order diverged."""
 
 
+def ranks_per_node() -> int:
+    """Processes on this node, from torchrun's environment (LOCAL_WORLD_SIZE; WORLD_SIZE if unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+
+
+def shares_gpus() -> bool:
+    """More processes on this node than visible GPUs: some must share one."""
+    return torch.cuda.is_available() and ranks_per_node() > torch.cuda.device_count()
+
+
 def init_process_group(device: torch.device | None = None) -> None:
     """Join torchrun's process group if its environment is set and none exists yet.
 
-    gloo for CPU tensors, NCCL for CUDA. Without torchrun's environment the world is one process and
+    gloo for CPU tensors, NCCL for CUDA, except where several ranks share one GPU (NCCL needs a
+    device per rank): then gloo, with CUDA tensors staged through the host (slow; for tests and
+    debugging on a single-GPU machine). Without torchrun's environment the world is one process and
     no group is created.
     """
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        cuda = device is not None and device.type == "cuda"
+        if cuda and shares_gpus():
+            warnings.warn(f"zeroshard: {ranks_per_node()} ranks share {torch.cuda.device_count()} GPU(s); NCCL "
+                          "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
+        backend = "nccl" if cuda and not shares_gpus() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+
+
+class _Staged:
+    """A collective on host copies of CUDA tensors (gloo group): `wait()` copies the result back."""
+
+    def __init__(self, work, host: torch.Tensor, dest: torch.Tensor):
+        self.work, self.host, self.dest = work, host, dest
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.dest.copy_(self.host)
+        return True
 
 
 class Comm:
@@ -59,6 +101,12 @@ class Comm:
         self.control_collectives = 0  # small collectives: order checks, overflow flags, norms
         self.counting = True
         self._order_check_buf = None
+        self._pending_checks = collections.deque()  # (tag, pinned answer, event, step epoch): NCCL only
+        self._order_epoch = 0
+        # gloo carries CUDA tensors through host copies (see init_process_group)
+        self.staged = (self.distributed and device.type == "cuda"
+                       and dist.get_backend(group) == dist.Backend.GLOO)
+        self.control_device = torch.device("cpu") if self.staged else device
 
     def reset_counters(self) -> None:
         self.elements = 0
@@ -75,7 +123,18 @@ class Comm:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
             return None
-        return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
+        if self.staged:
+            host = torch.empty(full.shape, dtype=full.dtype)
+            work = _all_gather_single(host, shard.cpu(), group=self.group, async_op=True)
+            return self._finish(_Staged(work, host, full), async_op)
+        return _all_gather_single(full, shard, group=self.group, async_op=async_op)
+
+    @staticmethod
+    def _finish(staged: _Staged, async_op: bool):
+        if async_op:
+            return staged
+        staged.wait()
+        return None
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False):
         """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
@@ -85,20 +144,31 @@ class Comm:
             return None
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
-        return dist.reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
+        if self.staged:
+            host = full.cpu()
+            host_shard = host[self.rank * s:(self.rank + 1) * s]
+            work = _reduce_scatter_single(host_shard, host, group=self.group, async_op=True)
+            return self._finish(_Staged(work, host_shard, shard), async_op)
+        return _reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
         """t <- sum over ranks of t, in place. Counts 2*len(t)."""
         self._count(2 * t.numel())
         if self.world == 1:
             return None
+        if self.staged:
+            host = t.cpu()
+            return self._finish(_Staged(dist.all_reduce(host, group=self.group, async_op=True), host, t), async_op)
         return dist.all_reduce(t, group=self.group, async_op=async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Uncounted: used only at set-up, outside any step."""
         if self.world > 1:
-            dist.broadcast(t, src=dist.get_global_rank(self.group, src) if self.group else src,
+            host = t.cpu() if self.staged else t
+            dist.broadcast(host, src=dist.get_global_rank(self.group, src) if self.group else src,
                            group=self.group)
+            if host is not t:
+                t.copy_(host)
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s picklable `obj`, on every rank (set-up and checkpoints, not steps)."""
@@ -121,23 +191,63 @@ class Comm:
         """A small all-reduce that carries no model data (overflow flag, squared norm)."""
         if self.world > 1:
             self.control_collectives += 1
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group)
+            host = t.cpu() if self.staged else t
+            dist.all_reduce(host, op=op or dist.ReduceOp.SUM, group=self.group)
+            if host is not t:
+                t.copy_(host)
         return t
 
     def check_order(self, tag: int) -> None:
         """Raise DivergedError on every rank unless every rank passes the same `tag` (see order_tag).
 
-        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min."""
+        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min.
+        On NCCL the answer is read without making the host wait for the GPU (which would serialise
+        the overlap stage 3 relies on): it is copied to pinned memory behind the collective and
+        compared once that copy is done (polled at each later check), at the latest at the end of
+        the next step (`verify_order`)."""
         if self.world == 1:
             return
+        self.control_collectives += 1
+        if self.device.type == "cuda" and not self.staged:
+            self._check_order_later(tag)
+            return
         if self._order_check_buf is None:
-            self._order_check_buf = torch.empty(2, dtype=torch.int64, device=self.device)
+            self._order_check_buf = torch.empty(2, dtype=torch.int64, device=self.control_device)
         buf = self._order_check_buf
         buf[0], buf[1] = tag, -tag
-        self.control_collectives += 1
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-        hi, lo = int(buf[0]), -int(buf[1])
+        self._compare(tag, int(buf[0]), -int(buf[1]))
+
+    def _check_order_later(self, tag: int) -> None:
+        dev = torch.empty(2, dtype=torch.int64, device=self.device)
+        dev[0].fill_(tag)
+        dev[1].fill_(-tag)
+        dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=self.group)
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending_checks.append((tag, host, done, self._order_epoch))
+        self.verify_order(block=False)
+
+    def verify_order(self, block: bool = True) -> None:
+        """Compare the order checks whose answers have arrived; with `block`, wait for those issued
+        before the current step (the engine calls this at the end of each step, when they are long
+        done) and move on to the next step."""
+        while self._pending_checks:
+            tag, host, done, epoch = self._pending_checks[0]
+            if not done.query():
+                if not (block and epoch < self._order_epoch):
+                    break
+                done.synchronize()
+            self._pending_checks.popleft()
+            self._compare(tag, int(host[0]), -int(host[1]))
+        if block:
+            self._order_epoch += 1
+
+    def _compare(self, tag: int, hi: int, lo: int) -> None:
         if hi != lo:
+            self._pending_checks.clear()
             raise DivergedError(
                 f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but another "
                 f"rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must call the same "

@@ -61,8 +61,9 @@ def _weak_method(method):
 
 
 def default_device() -> torch.device:
+    """cuda:LOCAL_RANK with CUDA (ranks beyond the GPU count wrap around and share), else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -406,6 +407,7 @@ class Engine:
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps:
             return False
         applied = self.optim.step()
+        self.comm.verify_order()
         self.grads_pending = False
         for c in self.chunks:
             if c.trainable:

@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger("zeroshard")
 
 GIB = 2**30
+CUDA_RESERVE = 2 * GIB  # bytes per GPU the CUDA context, cuBLAS/NCCL workspaces and the allocator keep
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Hardware:
     @staticmethod
     def described(gpu_memory: float, h2d: float = 20e9, d2h: float = 20e9, host_adam: float = 2e9,
                   device_adam: float = 50e9, device_flops: float = 150e12, link: float | None = None,
-                  host_memory: float = 512 * GIB, gpus_per_host: int = 1, reserve: float = 2 * GIB,
+                  host_memory: float = 512 * GIB, gpus_per_host: int = 1, reserve: float = CUDA_RESERVE,
                   name: str = "described") -> "Hardware":
         """A target machine described by its figures (defaults: a PCIe-attached data-centre GPU:
         20 GB/s each way, 150 TFLOP/s bf16, fused Adam at 50 G el/s, 2 GiB kept by the CUDA context
@@ -147,7 +148,7 @@ def _measure(device: torch.device, dtype: torch.dtype) -> Hardware:
     flops = 2 * m**3 / _best_time(lambda: a @ a, sync)
     if cuda:
         props = torch.cuda.get_device_properties(device)
-        mem, name, reserve = props.total_memory, props.name, 2 * GIB
+        mem, name, reserve = props.total_memory, props.name, CUDA_RESERVE
     else:
         mem, name, reserve = _host_memory(), "cpu", 0
     return Hardware(name=name, device_memory=mem, host_memory=_host_memory(), h2d=h2d, d2h=d2h,

@@ -142,4 +142,7 @@ class ActivationOffload:
     def unpack(self, packed):
         if not isinstance(packed, Pending):
             return packed
-        return self.transfer.to_device(packed.wait()).wait()
+        # The upload reads the host copy on the same side stream that wrote it, so stream order
+        # already puts it after the download: the host need not wait (a sync per saved tensor in
+        # backward would stall the queueing of the next kernels).
+        return self.transfer.to_device(packed.tensor).wait()

@@ -105,7 +105,9 @@ def belady_loads(seq: list[int], blocks: int, sizes=None) -> tuple[list[int], in
             peak = max(peak, held)
         cached[c] = nxt[i]
         heapq.heappush(heap, (-nxt[i], c))
-    return ([loads.get(c, 0) for c in range(max(seq) + 1)] if seq else []), peak
+    # Every chunk has an entry, also chunks after the last one the sequence uses.
+    n_chunks = len(sizes) if sizes else (max(seq) + 1 if seq else 0)
+    return [loads.get(c, 0) for c in range(n_chunks)], peak
 
 
 def min_cache_blocks(profile: Profile, lay: Layout) -> int:

@@ -1,0 +1,89 @@
+"""CUDA paths that the CPU suite cannot reach; these run where CUDA is present (the rest of the suite
+also trains on the GPU there, the engine's default device) and are skipped on a CPU-only machine.
+Each guards a failure or a host-device synchronisation found on the first GPU run (issue 19)."""
+import pytest
+import torch
+
+import zeroshard
+from distributed import spawn
+from models import ADAMW_TOL, batches, make_adamw, max_diff, reference, tiny_gpt2, train
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
+
+
+def _staged_collectives(rank, world):
+    from zeroshard.collectives import Comm, init_process_group
+    device = torch.device("cuda", 0)
+    init_process_group(device)  # ranks share one GPU: gloo, CUDA tensors staged through the host
+    comm = Comm(device)
+    assert comm.staged
+    shard = torch.full((3,), float(rank + 1), device=device)
+    full = torch.empty(3 * world, device=device)
+    comm.all_gather(full, shard, async_op=True).wait()
+    assert full.tolist() == [float(r + 1) for r in range(world) for _ in range(3)]
+    grads = torch.arange(2 * world, dtype=torch.float32, device=device) * (rank + 1)
+    comm.reduce_scatter_sum(grads, async_op=True).wait()
+    total = sum(r + 1 for r in range(world))
+    assert grads[2 * rank:2 * rank + 2].tolist() == [float(i * total) for i in (2 * rank, 2 * rank + 1)]
+    t = torch.ones(4, device=device)
+    comm.all_reduce_sum(t)
+    assert t.tolist() == [float(world)] * 4
+
+
+@gpu
+def test_ranks_sharing_a_gpu_run_collectives_over_gloo():
+    spawn(2, _staged_collectives)
+
+
+def _diverging_order(rank, world, out):
+    from zeroshard.collectives import Comm, DivergedError, init_process_group
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    init_process_group(device)
+    comm = Comm(device)
+    comm.check_order(7)  # agree
+    comm.check_order(8 + rank)  # disagree: noticed without a host sync, raised by verify_order at the latest
+    try:
+        comm.verify_order()
+        comm.verify_order()  # the second waits for the checks of the step before
+        raised = False
+    except DivergedError:
+        raised = True
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str(raised))
+
+
+@two_gpus
+def test_order_checks_on_nccl_raise_on_every_rank(tmp_path):
+    spawn(2, _diverging_order, str(tmp_path / "raised"))
+    assert [(tmp_path / f"raised.{r}").read_text() for r in range(2)] == ["True", "True"]
+
+
+@gpu
+def test_activation_offload_backward_does_not_wait_on_the_host(monkeypatch):
+    """Each saved tensor's upload follows its download in the side stream's order: backward must not
+    block the host on an event (94 waits per backward before the fix, bench/gpu_syncs.py)."""
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "offload_activations": True})
+    data = batches(2, 1, 1)
+    train(engine, data[:1], 0)
+    waits = []
+    real = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: (waits.append(1), real(self))[1])
+    x = data[1, 0, 0]
+    loss = engine(input_ids=x, labels=x).loss
+    engine.backward(loss)
+    assert waits == []
+    monkeypatch.undo()
+    engine.step()
+    assert engine.stats()["transfer_bytes"]["d2h"] > 0  # activations really went to the host
+
+
+@gpu
+def test_stage3_training_on_the_gpu_matches_the_cpu_reference():
+    data = batches(3, 1, 1)
+    ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "cache_chunks": 2, "chunk_size": 20000})
+    assert engine.device.type == "cuda"
+    train(engine, data, 0)
+    assert max_diff(engine.full_state_dict(), ref) <= ADAMW_TOL
