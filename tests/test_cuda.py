@@ -6,9 +6,9 @@ import torch
 
 import zeroshard
 from distributed import spawn
-from models import ADAMW_TOL, batches, make_adamw, max_diff, reference, tiny_gpt2, train
+from models import ADAMW_TOL, CUDA, batches, make_adamw, max_diff, reference, tiny_gpt2, train
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
 
 

@@ -64,10 +64,11 @@ def init_process_group(device: torch.device | None = None) -> None:
     """
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         cuda = device is not None and device.type == "cuda"
-        if cuda and shares_gpus():
+        shared = cuda and shares_gpus()
+        if shared:
             warnings.warn(f"zeroshard: {ranks_per_node()} ranks share {torch.cuda.device_count()} GPU(s); NCCL "
                           "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
-        backend = "nccl" if cuda and not shares_gpus() else "gloo"
+        backend = "nccl" if cuda and not shared else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
 
 
@@ -164,11 +165,8 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Uncounted: used only at set-up, outside any step."""
         if self.world > 1:
-            host = t.cpu() if self.staged else t
-            dist.broadcast(host, src=dist.get_global_rank(self.group, src) if self.group else src,
-                           group=self.group)
-            if host is not t:
-                t.copy_(host)
+            src = dist.get_global_rank(self.group, src) if self.group else src
+            self._in_place(t, lambda x: dist.broadcast(x, src=src, group=self.group))
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s picklable `obj`, on every rank (set-up and checkpoints, not steps)."""
@@ -191,11 +189,15 @@ class Comm:
         """A small all-reduce that carries no model data (overflow flag, squared norm)."""
         if self.world > 1:
             self.control_collectives += 1
-            host = t.cpu() if self.staged else t
-            dist.all_reduce(host, op=op or dist.ReduceOp.SUM, group=self.group)
-            if host is not t:
-                t.copy_(host)
+            self._in_place(t, lambda x: dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group))
         return t
+
+    def _in_place(self, t: torch.Tensor, collective) -> None:
+        """A blocking in-place `collective(tensor)` on t, through a host copy where the group is staged."""
+        host = t.cpu() if self.staged else t
+        collective(host)
+        if host is not t:
+            t.copy_(host)
 
     def check_order(self, tag: int) -> None:
         """Raise DivergedError on every rank unless every rank passes the same `tag` (see order_tag).
