@@ -54,7 +54,9 @@ def main() -> None:
     bw = max(streams.values())
     del a, b
 
-    def opt_case(make, copy=None, separate_copy=False):
+    g16 = torch.randn(n).bfloat16()
+
+    def opt_case(make, copy=None, separate_copy=False, grad16=None):
         p = torch.nn.Parameter(torch.randn(n))
         p.grad = torch.randn(n)
         opt = make([p])
@@ -62,6 +64,10 @@ def main() -> None:
         def step():
             if copy is not None and not separate_copy:
                 opt.copy_targets[id(p)] = copy
+            if grad16 == "widened":  # what the engine did before: fp32 copy of the gradient, scaled, then the step
+                p.grad = g16.float().mul_(0.5)
+            elif grad16 == "read":  # the kernel reads the 16-bit gradient and scales it in its pass
+                opt.grad_inputs[id(p)] = (g16, 0.5, 1.0)
             opt.step()
             if separate_copy:
                 copy.copy_(p.detach())
@@ -69,16 +75,19 @@ def main() -> None:
 
     out16 = torch.empty(n, dtype=torch.bfloat16)
     cases = [
-        ("torch AdamW (for-loop)", lambda ps: torch.optim.AdamW(ps, foreach=False), None, False, 28),
-        ("torch AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, foreach=True), None, False, 28),
-        ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, fused=True), None, False, 28),
-        ("torch AdamW (fused) + bf16 copy", lambda ps: torch.optim.AdamW(ps, fused=True), out16, True, 30),
-        ("zeroshard CPUAdamW", CPUAdamW, None, False, 28),
-        ("zeroshard CPUAdamW + bf16 copy", CPUAdamW, out16, False, 30),
+        ("torch AdamW (for-loop)", lambda ps: torch.optim.AdamW(ps, foreach=False), None, False, 28, None),
+        ("torch AdamW (foreach)", lambda ps: torch.optim.AdamW(ps, foreach=True), None, False, 28, None),
+        ("torch AdamW (fused)", lambda ps: torch.optim.AdamW(ps, fused=True), None, False, 28, None),
+        ("torch AdamW (fused) + bf16 copy", lambda ps: torch.optim.AdamW(ps, fused=True), out16, True, 30, None),
+        ("zeroshard CPUAdamW", CPUAdamW, None, False, 28, None),
+        ("zeroshard CPUAdamW + bf16 copy", CPUAdamW, out16, False, 30, None),
+        # a bf16 gradient scaled by 1/(world x accumulation): 6 + 8 bytes more when widened first
+        ("bf16 grad widened, CPUAdamW + copy", CPUAdamW, out16, False, 44, "widened"),
+        ("bf16 grad read by CPUAdamW + copy", CPUAdamW, out16, False, 28, "read"),
     ]
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        cases.append(("DeepSpeedCPUAdam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True), None, False, 28))
+        cases.append(("DeepSpeedCPUAdam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True), None, False, 28, None))
     except Exception as e:  # not a dependency: measured only where it is installed
         print(f"(DeepSpeedCPUAdam not measured: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
@@ -88,8 +97,8 @@ def main() -> None:
         args.reps, ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in streams.items()), bw / 1e9))
     print(f"{'implementation':34} {'time':>9} {'G elem/s':>9} {'GB/s':>7} {'of bw':>6}")
     rows = []
-    for name, make, copy, separate, bytes_per in cases:
-        t = best(opt_case(make, copy, separate), args.reps)
+    for name, make, copy, separate, bytes_per, grad16 in cases:
+        t = best(opt_case(make, copy, separate, grad16), args.reps)
         rows.append({"name": name, "seconds": t, "elements_per_s": n / t, "bytes_per_element": bytes_per,
                      "gb_per_s": bytes_per * n / t / 1e9, "fraction_of_bandwidth": bytes_per * n / t / bw})
         r = rows[-1]

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of zeroshard in one go, on a machine with a CUDA device (see README, "On a GPU").
-#   bash bench/gpu_session.sh OUT_DIR [part ...]      parts: env tests syncs offload auto ladder
+#   bash bench/gpu_session.sh OUT_DIR [part ...]      parts: env tests syncs offload* auto* ladder
+# offload<X> / auto<X> take their arguments from <PART>_ARGS (e.g. part offload_dpu: OFFLOAD_DPU_ARGS),
+# so one session can run several sizes and settings.
 # Each part logs to OUT_DIR/<part>.log (and .json where the script writes one); a part that fails
 # or runs past its time limit is reported and the next one still runs.
 set -uo pipefail
@@ -22,10 +24,10 @@ for part in $parts; do
     case $part in
     env) run env 60 bash -c 'nvidia-smi; python3 -c "import torch, transformers; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), transformers.__version__, torch.cuda.nccl.version())"; nproc; free -g; which g++ ninja nvcc' ;;
     tests) run tests "$t_tests" python3 -m pytest -q -n "${WORKERS:-6}" --dist loadfile -p no:cacheprovider \
-               --timeout 400 -rfE --junitxml "$out/tests.xml" ${TESTS:-tests} ;;
+               --timeout "${T_TEST:-400}" -rfE --junitxml "$out/tests.xml" ${TESTS:-tests} ;;
     syncs) run syncs "$t_bench" python3 bench/gpu_syncs.py --json "$out/syncs.json" ;;
-    offload) run offload "$t_bench" python3 bench/offload_gpt2.py --json "$out/offload.json" ${OFFLOAD_ARGS:-} ;;
-    auto) run auto "$t_bench" python3 bench/auto_gpt2.py --json "$out/auto.json" ${AUTO_ARGS:-} ;;
+    offload*) args=${part^^}_ARGS; run "$part" "$t_bench" python3 bench/offload_gpt2.py --json "$out/$part.json" ${!args:-} ;;
+    auto*) args=${part^^}_ARGS; run "$part" "$t_bench" python3 bench/auto_gpt2.py --json "$out/$part.json" ${!args:-} ;;
     ladder) run ladder "$t_bench" python3 bench/run_all.py --only gpu --out "$out/run_all" ${LADDER_ARGS:-} ;;
     *) echo "unknown part $part"; exit 2 ;;
     esac

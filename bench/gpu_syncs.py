@@ -11,7 +11,8 @@ queueing the next kernels and collectives, so overlap is lost. This script train
 - the same step under torch.profiler: CUDA runtime calls that block (cudaStreamSynchronize,
   cudaDeviceSynchronize, cudaEventSynchronize) and the synchronous cudaMemcpy.
 Each sync is attributed to the innermost zeroshard frame (else "outside zeroshard") and to the phase
-it happened in. Printed: a table per configuration, phase by phase.
+it happened in ("background": in the delayed update's thread, which blocks only itself). Printed: a
+table per configuration, phase by phase.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import collections
 import json
 import os
 import sys
+import threading
 import traceback
 import warnings
 
@@ -37,6 +39,7 @@ CONFIGS = {
     "stage 3 + offload params/optimizer": {"stage": 3, "offload_optimizer": True, "offload_params": True,
                                            "cache_chunks": 2},
     "stage 3 + offload_activations": {"stage": 3, "offload_activations": True, "cache_chunks": 2},
+    "stage 2 + offload_optimizer, delayed update": {"stage": 2, "offload_optimizer": True, "delay_update_after": 0},
 }
 BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -57,8 +60,9 @@ class Recorder:
         self._patched = []
 
     def hit(self, kind):
-        if self.phase is not None:
-            self.hits[(self.phase, kind, where())] += 1
+        if self.phase is not None:  # the delayed update's thread waits off the main thread's path
+            phase = self.phase if threading.current_thread() is threading.main_thread() else "background"
+            self.hits[(phase, kind, where())] += 1
 
     def __enter__(self):
         rec = self
@@ -141,7 +145,9 @@ def main():
         for (phase, _, _), n in hits.items():
             by_phase[phase] += n
         print(f"\n== {name}: host syncs in one step: forward {by_phase['forward']}, backward "
-              f"{by_phase['backward']}, step {by_phase['step']}; profiler blocking runtime calls {runtime}")
+              f"{by_phase['backward']}, step {by_phase['step']}"
+              + (f" (background thread {by_phase['background']})" if by_phase["background"] else "")
+              + f"; profiler blocking runtime calls {runtime}")
         for (phase, kind, loc), n in sorted(hits.items()):
             print(f"   {phase:8s} {n:4d} x {kind:40s} at {loc}")
         out[name] = {"by_phase": dict(by_phase), "runtime_calls": runtime,

@@ -64,6 +64,9 @@ def _data(world, cfg):
 
 
 def _each(rank, out_path, fn, names):
+    # Bit for bit across two runs needs deterministic kernels: on CUDA, embedding and index backward
+    # add with atomics in a varying order (a resumed bf16 run on an H100 landed one bf16 ulp away).
+    torch.use_deterministic_algorithms(True)
     results = {}
     for name in names:
         try:

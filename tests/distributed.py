@@ -14,10 +14,17 @@ def _free_port() -> int:
 
 
 def _entry(rank, world, port, fn, args):
-    import torch
-    import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    # cuBLAS is deterministic only with a fixed workspace, set before its first use (bit-for-bit
+    # checkpoint tests on CUDA); harmless on CPU.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    stacks = float(os.environ.get("ZEROSHARD_RANK_STACKS", 0))
+    if stacks > 0:  # debugging a hang: each rank prints its threads' stacks every `stacks` seconds
+        import faulthandler
+        faulthandler.dump_traceback_later(stacks, repeat=True)
+    import torch
+    import torch.distributed as dist
     torch.set_num_threads(1 if world > 1 else 2)
     try:
         fn(rank, world, *args)

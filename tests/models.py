@@ -58,6 +58,45 @@ def reference(model, data, make_opt, clip=None, loss_fn=None):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
+def delayed_reference(model, data, make_opt, delay_after, clip=None, lr_decay=1.0):
+    """ZeRO-Offload's one-step delayed parameter update in plain PyTorch, on the global batch.
+
+    The optimizer steps a master copy. Steps before `delay_after` are exact (the master is copied
+    into the model at once). From then on step k's update is copied in only after step k+1's
+    backward, so each gradient is computed on parameters one update older; at the end the last
+    update is copied in. Each step's lr is multiplied by `lr_decay` after it (an LR schedule set
+    between steps, as a user's scheduler would). Returns the state_dict."""
+    loss_fn = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+    params = list(model.parameters())
+    master = [p.detach().clone().requires_grad_(True) for p in params]
+    opt = make_opt(master)
+    pending = False
+
+    def publish():
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+
+    for k, step in enumerate(data):
+        x = step.reshape(-1, step.shape[-1])
+        loss_fn(model, x).backward()
+        if pending:
+            publish()
+        for p, m in zip(params, master):
+            m.grad, p.grad = p.grad, None
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(master, clip)
+        opt.step()
+        opt.zero_grad()
+        for g in opt.param_groups:
+            g["lr"] *= lr_decay
+        pending = k >= delay_after
+        if not pending:
+            publish()
+    publish()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def train(engine, data, rank, loss_fn=None):
     loss_fn = loss_fn or (lambda m, x: m(input_ids=x, labels=x).loss)
     for step in data:

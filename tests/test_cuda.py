@@ -87,3 +87,34 @@ def test_stage3_training_on_the_gpu_matches_the_cpu_reference():
     assert engine.device.type == "cuda"
     train(engine, data, 0)
     assert max_diff(engine.full_state_dict(), ref) <= ADAMW_TOL
+
+
+@gpu
+def test_an_upload_waited_for_by_the_device_can_still_be_synced_by_the_host():
+    """Staging buffers are reused once the upload reading them is done (`Pending.sync`). The upload
+    was already `wait()`ed, which only orders the compute stream; sync() must still block the host
+    until the copy has run (it did nothing after wait() before: the host could overwrite a staging
+    buffer the side stream had not yet read)."""
+    from zeroshard.offload import Transfer
+    t = Transfer(torch.device("cuda", 0))
+    host = t.host_copy_of(torch.ones(1 << 20))
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy; the side stream's copy queues behind it
+    pending = t.to_device(host)
+    pending.wait()
+    assert not pending.event.query()  # still queued: the host got here first
+    pending.sync()
+    assert pending.event.query()
+    assert torch.equal(pending.tensor.cpu(), host)
+
+
+@gpu
+def test_delayed_update_on_cuda_trains_the_delayed_reference():
+    """The delayed update's thread, staging buffers and uploads on a real device (fp32 SGD)."""
+    from models import delayed_reference, make_sgd
+    data = batches(5, 1, 2)
+    ref = delayed_reference(tiny_gpt2(), data, make_sgd, 2)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 2, "chunk_size": 20000, "offload_optimizer": True,
+                                                         "delay_update_after": 2})
+    assert engine.device.type == "cuda"
+    train(engine, data, 0)
+    assert max_diff(engine.full_state_dict(), ref) <= 1e-5

@@ -63,6 +63,37 @@ def test_cpu_adamw_writes_16bit_copy_in_the_same_pass(dtype):
     assert torch.equal(target, a.detach().to(dtype))  # the same rounding as torch's conversion
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "fallback"])
+def test_cpu_adamw_reads_a_16bit_gradient_as_a_widened_scaled_one(dtype, kernel, monkeypatch):
+    """grad_inputs (16-bit gradient, s1, s2): the same update, bit for bit, as p.grad set to the
+    gradient widened to fp32, times s1, then times s2 (what the engine did before, in two passes)."""
+    if kernel and cpu_adam.kernel() is None:
+        pytest.skip("no C++ compiler here: the one-pass kernel is not built")
+    if not kernel:
+        monkeypatch.setattr(cpu_adam, "_kernel", None)
+        monkeypatch.setattr(cpu_adam, "_kernel_tried", True)
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(50_000))
+    b = torch.nn.Parameter(a.detach().clone())
+    oa, ob = zeroshard.CPUAdamW([a], lr=1e-2), zeroshard.CPUAdamW([b], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for s1, s2 in ((0.25, 1.0), (1 / 3, 0.7), (1 / 6, 1.0)):
+        grad = (torch.randn(a.numel(), generator=g) * 3).to(dtype)
+        ta, tb = torch.empty(a.numel(), dtype=dtype), torch.empty(a.numel(), dtype=dtype)
+        oa.grad_inputs[id(a)] = (grad, s1, s2)
+        oa.copy_targets[id(a)] = ta
+        b.grad = grad.float().mul_(s1)
+        if s2 != 1.0:
+            b.grad.mul_(s2)
+        ob.copy_targets[id(b)] = tb
+        oa.step()
+        ob.step()
+        assert torch.equal(a, b)
+        assert not oa.grad_inputs  # used once
+    assert a.grad is None
+
+
 def test_cpu_adamw_fallback_is_torch_fused_adamw(monkeypatch):
     monkeypatch.setattr(cpu_adam, "_kernel", None)
     monkeypatch.setattr(cpu_adam, "_kernel_tried", True)

@@ -27,8 +27,14 @@ _cache = {}
 def results(world, tmp_path_factory):
     if world not in _cache:
         out = tmp_path_factory.mktemp(f"world{world}") / "results.json"
-        spawn(world, run_all, str(out))
-        _cache[world] = json.loads(out.read_text())
+        try:
+            spawn(world, run_all, str(out))
+            _cache[world] = json.loads(out.read_text())
+        except BaseException as e:  # noqa: B036  (a timeout too: every later test of this world fails at once)
+            _cache[world] = e
+            raise
+    if isinstance(_cache[world], BaseException):
+        raise RuntimeError(f"the world-{world} scenarios did not run") from _cache[world]
     return _cache[world]
 
 

@@ -99,3 +99,24 @@ def test_model_reading_values_gets_an_assumed_value_and_a_warning(caplog):
         prof = zeroshard.profile(Branchy(), torch.randn(2, 4))
     assert [e.module for e in prof.trace if e.phase == "forward"] == ["a"]
     assert "assuming True" in caplog.text
+
+
+def test_values_of_real_tensors_are_read_as_they_are(caplog):
+    # LayerDrop as transformers 5.17's OPT does it, even with layerdrop 0.0: `torch.rand([]) < p` is a
+    # real CPU tensor, False here; assuming True for it skipped every layer (a trace of 8 events).
+    class LayerDrop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if torch.rand([]) < 0.0:
+                    continue
+                x = layer(x)
+            return x
+
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        prof = zeroshard.profile(LayerDrop(), torch.randn(2, 4))
+    assert [e.module for e in prof.trace if e.phase == "forward"] == ["layers.0", "layers.1", "layers.2"]
+    assert "assuming" not in caplog.text

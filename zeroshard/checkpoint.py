@@ -500,7 +500,7 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> 
     meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world": engine.comm.world, "stage": engine.stage, "precision": engine.config.precision,
             "config": engine.config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.optim.skipped_steps,
+            "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
             "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
             **describe_model(engine), "optim_state": _optim_kinds(engine),
             "hf_config": _hf_config(engine.module)}
@@ -564,6 +564,8 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     engine.micro_steps = 0  # at a boundary; counting restarts, so another accumulation works too
     if load_optimizer:
         engine.optim.skipped_steps = meta["skipped_steps"]
+        # older checkpoints lack it: count as if every step had applied (only delay_update_after reads it)
+        engine.optim.boundaries = meta.get("optimizer_steps", meta["steps"] + meta["skipped_steps"])
     if engine.scaler is not None and meta["loss_scale"] is not None:
         engine.scaler.scale = meta["loss_scale"]["scale"]
         engine.scaler.clean_steps = meta["loss_scale"]["clean_steps"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .offload import Placement, Transfer
+from .offload import Pending, Placement, Transfer
 
 ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
 
@@ -63,6 +63,14 @@ def auto_chunk_size(numels: list[int]) -> int:
     if not numels:
         return ALIGN
     return max(max(numels), min(1 << 26, math.ceil(sum(numels) / 8)))
+
+
+def fold_host_grad(host: torch.Tensor | None, in_flight: Pending | None) -> torch.Tensor | None:
+    """A chunk's host gradient with the copy still in flight added in (waited for first)."""
+    if in_flight is None:
+        return host
+    arrived = in_flight.wait()
+    return arrived if host is None else host.add_(arrived)
 
 
 @dataclass
@@ -160,6 +168,10 @@ class Chunk:
         # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
         self.host_grad = None
         self.grad_in_flight = None
+        # The delayed update's upload into the shard, not yet waited for by the compute stream: the
+        # first use of the chunk (its module's forward, its stage-3 gather) waits for it, so the
+        # uploads overlap the forward instead of holding back its start.
+        self.arriving: Pending | None = None
         if stage != 3:
             self.bind_params()
 
@@ -179,10 +191,17 @@ class Chunk:
         for s in self.slots:
             s.param.data = empty
 
+    def await_arrival(self) -> None:
+        """Order the compute stream after the upload into this chunk's shard, if one is pending."""
+        if self.arriving is not None:
+            self.arriving.wait()
+            self.arriving = None
+
     # -- stage 3 gather / release ---------------------------------------------------------------
     def start_gather(self, comm) -> None:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
         assert self.state is ChunkState.SHARDED, self.state
+        self.await_arrival()
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         shard = self.shard
         if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
@@ -283,14 +302,19 @@ class Chunk:
         self.grad_in_flight = self.transfer.to_host(reduced)
 
     def _fold_host_grad(self) -> None:
-        if self.grad_in_flight is None:
-            return
-        arrived = self.grad_in_flight.wait()
+        self.host_grad = fold_host_grad(self.host_grad, self.grad_in_flight)
         self.grad_in_flight = None
-        if self.host_grad is None:
-            self.host_grad = arrived
-        else:
-            self.host_grad.add_(arrived)
+
+    def take_host_grad(self) -> tuple[torch.Tensor | None, Pending | None]:
+        """With the optimizer on the host: hand over this step's reduced gradient as (what has
+        arrived on the host, the copy still in flight), leaving the chunk without one. The delayed
+        update (optimizer.py) folds them with `fold_host_grad` in its own thread while the next
+        backward fills the chunk anew."""
+        out = (self.host_grad, self.grad_in_flight)
+        if self.grad_in_flight is not None and self.stage <= 1:
+            self.grad_in_flight.fence()  # its source, grad_full, is zeroed for the next step
+        self.host_grad = self.grad_in_flight = None
+        return out
 
     def owned_grad(self) -> torch.Tensor | None:
         """The reduced gradient of the owned range (compute dtype), or None before any backward.

@@ -113,6 +113,16 @@ class Comm:
         self.elements = 0
         self.control_collectives = 0
 
+    def side_channel(self) -> "Comm":
+        """Collective, at set-up: a Comm over a new gloo group of the same ranks, for host tensors,
+        for a thread that issues collectives while the main thread issues its own (the delayed
+        update's norm and overflow checks). Within one group, two threads' collectives would be
+        paired across ranks in whatever order each rank happened to issue them."""
+        if self.world == 1:
+            return Comm(torch.device("cpu"), self.group)
+        ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo"))
+
     def _count(self, n: int) -> None:
         if self.counting and self.world > 1:
             self.elements += n

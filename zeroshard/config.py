@@ -47,6 +47,13 @@ class Config:
         (`zeroshard.initialize` then needs `example_inputs`). False = only what the offload_* keys say.
     device_memory: bytes of device memory the planner may plan for (default: the device's total;
         on a machine without a GPU, its RAM). Set it to plan for a smaller device, or to leave room.
+    delay_update_after: ZeRO-Offload's one-step delayed parameter update (DPU), for offload_optimizer
+        without offload_params: from this optimizer step on (a count of steps; the ones before are
+        exact, as the paper warms up), the CPU step of step t runs in a background thread while the
+        forward and backward of step t+1 run on the device, and its result is applied at step t+1's
+        step(). Each gradient is then computed on parameters one update older than in plain
+        PyTorch: a different (by the paper, equally convergent) optimisation, which hides the CPU
+        step. Saving a checkpoint or a state dict first applies the update in flight. None = off.
     offload_activations: tensors saved for backward (with activation checkpointing: the
         checkpoints) are kept in host memory between forward and backward (ZeRO-R's P_a+cpu).
     """
@@ -64,6 +71,7 @@ class Config:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_activations: bool = False
+    delay_update_after: int | None = None
     offload: bool | str = False
     device_memory: int | None = None
 
@@ -108,6 +116,13 @@ class Config:
         if not is_int(self.loss_scale_window) or self.loss_scale_window < 1:
             bad("loss_scale_window", "an integer >= 1")
 
+        if self.delay_update_after is not None:
+            if not is_int(self.delay_update_after) or self.delay_update_after < 0:
+                bad("delay_update_after", "an integer >= 0 (optimizer steps before updates are delayed), or None")
+            if not self.offload_optimizer or self.offload_params:
+                raise ValueError("zeroshard config: delay_update_after delays the CPU optimizer step: it needs "
+                                 "offload_optimizer=True and offload_params=False (with parameters on the host "
+                                 "the step would write what the next forward reads)")
         if self.planned:
             if self.stage not in (2, 3, "auto"):
                 raise ValueError(f"zeroshard config: offload='auto' plans stage 2 or 3 (got stage {self.stage}); "

@@ -40,8 +40,10 @@ def kernel():
         src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_adam.cpp")
         # -fopenmp: at::parallel_for is an inline OpenMP region (serial without it); the process
         # already has torch's libgomp loaded, so no second runtime comes in.
+        # -ffp-contract=off: no product fused into a later add, so a gradient scaled in the kernel
+        # equals one scaled by torch beforehand, bit for bit.
         _kernel = load("zeroshard_cpu_adam", [src], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                  "-fno-math-errno"],
+                                                                  "-fno-math-errno", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no headers, ...: correct results matter more than speed
         log.warning("zeroshard: CPU Adam kernel unavailable (%s: %s); using torch's fused AdamW",
@@ -58,7 +60,10 @@ class CPUAdamW(torch.optim.Optimizer):
     `copy_targets` maps id(param) to a 16-bit tensor (bf16 or fp16, the parameter's size, on the
     CPU) to receive the updated parameter in the same pass; ids of parameters whose copy was written
     go to `copied` (not written: no compiler, so the caller copies).
-    The engine fills and clears both; plain users can ignore them.
+    `grad_inputs` maps id(param) to (gradient, scale1, scale2): the step uses that gradient (fp32,
+    bf16 or fp16, the parameter's size, on the CPU) times scale1 then scale2 instead of `p.grad`, read
+    in the same pass (a 16-bit gradient is not widened to an fp32 copy first). Each entry is used once.
+    The engine fills and clears these; plain users can ignore them.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -72,6 +77,7 @@ class CPUAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.copy_targets: dict[int, torch.Tensor] = {}
         self.copied: set[int] = set()
+        self.grad_inputs: dict[int, tuple[torch.Tensor, float, float]] = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -83,9 +89,10 @@ class CPUAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
+                grad, s1, s2 = self.grad_inputs.pop(id(p), (p.grad, 1.0, 1.0))
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError("CPUAdamW does not support sparse gradients")
                 st = self.state[p]
                 if not st:
@@ -94,19 +101,26 @@ class CPUAdamW(torch.optim.Optimizer):
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["step"] += 1
                 target = self.copy_targets.pop(id(p), None)
-                if target is not None and k is not None and _kernel_fits(p, st):
-                    g = p.grad if p.grad.dtype == torch.float32 and p.grad.is_contiguous() \
-                        else p.grad.float().contiguous()
-                    k.adamw_(p, g, st["exp_avg"], st["exp_avg_sq"], target, lr, beta1, beta2, eps, wd,
-                             int(st["step"].item()))
+                scaled = s1 != 1.0 or s2 != 1.0
+                if k is not None and (target is not None or scaled) and _kernel_fits(p, st) \
+                        and grad.device.type == "cpu" and grad.dtype in _KERNEL_GRADS:
+                    k.adamw_(p, grad.contiguous(), st["exp_avg"], st["exp_avg_sq"], target, lr, beta1, beta2, eps,
+                             wd, int(st["step"].item()), s1, s2)
                     if target is not None:
                         self.copied.add(id(p))
                 else:
+                    if scaled:  # as the kernel would: fp32, times s1, then times s2
+                        grad = grad.float().mul_(s1)
+                        if s2 != 1.0:
+                            grad.mul_(s2)
                     step = st["step"] if p.device.type == "cpu" else st["step"].to(p.device)
-                    torch._fused_adamw_([p], [p.grad.to(p.dtype)], [st["exp_avg"]], [st["exp_avg_sq"]], [],
+                    torch._fused_adamw_([p], [grad.to(p.dtype)], [st["exp_avg"]], [st["exp_avg_sq"]], [],
                                         [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
                                         amsgrad=False, maximize=False)
         return loss
+
+
+_KERNEL_GRADS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernel_fits(p: torch.Tensor, st: dict) -> bool:

@@ -27,7 +27,7 @@ from .cache import ChunkCache
 from .chunks import Chunk, ChunkState, Slot, auto_chunk_size, pack
 from .collectives import REDUCE, Comm, init_process_group, order_tag
 from .config import Config
-from .hooks import ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
+from .hooks import ArrivalHooks, ChunkView, FirstUseRecorder, Stage3Hooks, direct_params
 from .offload import ActivationOffload, Pending, Placement, Transfer
 from .optimizer import PROBE_NUMEL, LossScaler, ShardedOptimizer, default_optimizer, probe_state
 from .timeline import MemoryTimeline
@@ -122,9 +122,12 @@ class Engine:
         if make_opt is None:
             host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
             make_opt = default_optimizer(host=host)
+        delayed = config.delay_update_after is not None
         self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
-                                      clip_grad_norm=config.clip_grad_norm, scaler=self.scaler)
+                                      clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
+                                      delay_after=config.delay_update_after,
+                                      side_comm=self.comm.side_channel() if delayed else None)
         self.chunks: list[Chunk] = []
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
         self._build_chunks(order, [p.detach() for p in order], broadcast=True)
@@ -133,6 +136,7 @@ class Engine:
         self.hooks = None
         if self.stage == 3:
             self.hooks = Stage3Hooks(module, self.cache, self._chunks_of, self.names, self.shapes, self.dtype)
+        self._arrivals = ArrivalHooks(module, self._chunks_of) if delayed and self.stage in (1, 2) else None
         # Through a weak reference: autograd keeps the hook in C++, where the garbage collector cannot
         # see the cycle parameter -> hook -> engine -> module -> parameter, so a dropped engine would stay.
         grad_arrived = _weak_method(self._grad_arrived)
@@ -420,6 +424,14 @@ class Engine:
             self.timeline.step_done()
         return applied
 
+    def apply_delayed_update(self) -> None:
+        """With `delay_update_after`: wait for the update in flight and apply it, so the parameters
+        are the optimizer's latest (the next step then starts a new delay). Saving a checkpoint or a
+        state dict does this first; call it before evaluating or exporting the model by other means
+        if the last update must be in. A no-op otherwise."""
+        self.optim.land()
+        self.optim.await_arrivals()
+
     def zero_grad(self) -> None:
         """Gradients are cleared by step(); kept for familiarity."""
 
@@ -438,6 +450,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
         values (and buffers as they are), on the CPU."""
+        self.apply_delayed_update()
         full = self._full_values()
         out = {}
         for key, obj in self._state_keys:
@@ -456,6 +469,7 @@ class Engine:
         directory. Any world size, stage, chunk size or offload setting can load it
         (`load_checkpoint`); `zeroshard export` turns it into one safetensors file."""
         from .checkpoint import save
+        self.apply_delayed_update()
         return save(self, root, tag, client_state)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
@@ -466,6 +480,7 @@ class Engine:
         load_optimizer=False loads the model (and buffers, counters, RNG) and starts the optimizer
         afresh: its state is cleared. Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
+        self.apply_delayed_update()
         return load(self, path, tag, load_optimizer)
 
     def record_memory(self, steps: int | None = 1) -> MemoryTimeline:

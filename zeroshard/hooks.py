@@ -108,6 +108,25 @@ class FirstUseRecorder:
         self._handles = []
 
 
+class ArrivalHooks:
+    """Stages 1-2 with the delayed update: each module's forward first waits (on the device, not the
+    host) for the uploads of the landed update into its chunks, so later chunks' uploads overlap
+    earlier modules' compute. Stage 3 waits in the gather instead."""
+
+    def __init__(self, model: nn.Module, chunks_of):
+        self.chunks_of = chunks_of
+        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules() if direct_params(m)]
+
+    def _pre(self, module, args):
+        for c in self.chunks_of(module):
+            c.await_arrival()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 class Stage3Hooks:
     """Installs and runs the stage-3 module hooks. `chunks_of(module)` gives the chunks holding a
     module's direct parameters (it changes if the engine re-packs chunks)."""

@@ -95,7 +95,8 @@ class Transfer:
 
 class Pending:
     """A copy in flight: `tensor` is its destination. `wait()` makes it safe to use: the host waits
-    for a d2h copy; the compute stream waits for an h2d copy (the host does not block)."""
+    for a d2h copy; the compute stream waits for an h2d copy (the host does not block). `sync()`
+    blocks the host until the copy is done, also after `wait()` (before its source is reused)."""
 
     def __init__(self, transfer: Transfer, tensor: torch.Tensor):
         self.tensor = tensor
@@ -105,19 +106,28 @@ class Pending:
             self.event.record(transfer.stream)
         self._on_host = tensor.device.type == "cpu"
         self._device = transfer.device
+        self._waited = False
 
     def sync(self) -> None:
         """Block the host until the copy is done (before reusing its source buffer)."""
         if self.event is not None:
             self.event.synchronize()
 
-    def wait(self) -> torch.Tensor:
+    def fence(self) -> None:
+        """Order later work on the compute stream after this copy, without blocking the host (before
+        the compute stream overwrites the source of a download still in flight)."""
         if self.event is not None:
+            torch.cuda.current_stream(self._device).wait_event(self.event)
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None and not self._waited:
+            # The event is kept: an upload waited for only by the compute stream may still be
+            # reading its host source, and sync() must still see that.
             if self._on_host:
                 self.event.synchronize()
             else:
-                torch.cuda.current_stream(self._device).wait_event(self.event)
-            self.event = None
+                self.fence()
+            self._waited = True
         return self.tensor
 
 

@@ -14,14 +14,28 @@ Chunks whose optimizer lives on the host (offload.py) step one chunk at a time, 
 forward needs them, and each updated shard starts its upload (and, at stages 1-2, its all-gather)
 while the next chunk steps. An optimizer that can write the 16-bit copy in the same pass as the
 update (zeroshard.CPUAdamW) is given the copy's destination, saving a pass over the master.
+
+Delayed update (ZeRO-Offload's DPU, config `delay_update_after`): the host step of step t runs in a
+background thread while the device runs step t+1's forward and backward, and lands (is uploaded and
+published) at step t+1's step(). States of one update, in order: IDLE -> IN_FLIGHT (launched with
+its gradients, loss scale and hyperparameters as they were at step()) -> IDLE (landed). Everything
+the thread touches is its own while it runs: the masters and the optimizer's state (stepped through
+a view of the optimizer with its own param groups, so an LR schedule set between steps is not
+raced), one 16-bit staging buffer per chunk, and a side process group for its norm and overflow
+all-reduces. Whatever reads or writes those from the main thread lands the update first. A landed
+update's uploads are waited for by the compute stream at each chunk's first use (its module's forward,
+its stage-3 gather), not all before the forward starts.
 """
 from __future__ import annotations
 
+import enum
 import math
+import threading
 
 import torch
 import torch.distributed as dist
 
+from .chunks import fold_host_grad
 from .offload import Pending
 
 
@@ -67,9 +81,17 @@ def probe_state(make_opt) -> dict:
     return dict(opt.state.get(p, {}))
 
 
+class UpdateState(enum.Enum):
+    """The delayed update's lifecycle (see the module docstring)."""
+
+    IDLE = "idle"
+    IN_FLIGHT = "in flight"
+
+
 class ShardedOptimizer:
     def __init__(self, make_opt, comm, *, stage: int, dtype: torch.dtype, accumulation: int,
-                 clip_grad_norm: float | None, scaler: LossScaler | None):
+                 clip_grad_norm: float | None, scaler: LossScaler | None, delay_after: int | None = None,
+                 side_comm=None):
         self.make_opt = make_opt
         self.comm = comm
         self.stage = stage
@@ -84,7 +106,15 @@ class ShardedOptimizer:
         self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
         self._staging_turn = 0
         self._staging_slot_of: dict[int, int] = {}
-        self._targets: dict[int, torch.Tensor | None] = {}
+        self.boundaries = 0  # step() calls, applied or skipped
+        # delayed update: from step() number `delay_after` on (None: never)
+        self.delay_after = delay_after
+        self.side_comm = side_comm  # its thread's collectives (None at world 1 is fine: no collectives)
+        self.update = UpdateState.IDLE
+        self._thread = None
+        self._outcome = None  # (applied, overflow, grad norm) or the exception the thread raised
+        self._delay_staging: dict[int, list] = {}  # id(chunk) -> [host 16-bit buffer, upload reading it]
+        self._state_bytes_at_launch = None
 
     def attach(self, chunks) -> None:
         """(Re)bind the optimizer to the trainable chunks' masters. Before the first step the
@@ -104,67 +134,124 @@ class ShardedOptimizer:
 
     @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:
-        """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it."""
-        scale = self.scaler.scale if self.scaler else 1.0
-        inv = 1.0 / (self.comm.world * self.accumulation * scale)
-        for c in self.chunks:
-            g = c.owned_grad()
-            if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
-                g = torch.zeros(c.master.numel(), dtype=self.dtype, device=c.master.device)
-            c.master.grad = g.mul_(inv) if self.dtype == torch.float32 else g.float().mul_(inv)
-
-        if self.scaler is not None:
-            local = torch.zeros(1, device=self.comm.device)
-            for c in self.chunks:
-                if not torch.isfinite(c.master.grad).all():
-                    local.fill_(1.0)
-                    break
-            overflow = bool(self.comm.control_all_reduce(local, dist.ReduceOp.MAX).item())
-            self.scaler.update(overflow)
-            if overflow:
-                self.skipped_steps += 1
-                self._drop_grads()
-                return False
-
-        if self.clip is not None:
-            self.last_grad_norm = self._clip()
-        on_host = [c for c in self.chunks if c.placement.optimizer_on_host]
+        """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it.
+        Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
+        in the background is counted in `skipped_steps` when it lands)."""
+        self.boundaries += 1
+        if self.delay_after is not None and self.boundaries > self.delay_after:
+            self.land()
+            self._launch()
+            return True
         gathers = []
-        if not on_host or len(self.optimizer.param_groups) > 1:  # one step over every chunk
-            self._step_chunks(self.chunks)
-            for c in self.chunks:
-                self._publish(c, gathers)
-        else:
-            on_device = [c for c in self.chunks if not c.placement.optimizer_on_host]
-            if on_device:
-                self._step_chunks(on_device)
-                for c in on_device:
-                    self._publish(c, gathers)
-            for c in on_host:  # in the order the next forward needs them
-                self._step_chunks([c])
-                self._publish(c, gathers)
+        applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._inv_scale(),
+                                               self.comm, self.optimizer, self._copy_target,
+                                               lambda c, target: self._publish(c, target, gathers))
         for w in gathers:
             if w is not None:
                 w.wait()
-        self._drop_grads()
-        return True
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+            self.skipped_steps += int(overflow)
+        if self.clip is not None and applied:
+            self.last_grad_norm = norm
+        return applied
 
-    def _step_chunks(self, chunks) -> None:
-        """optimizer.step() over these chunks' masters only (all of them: one plain step)."""
-        fused_copy = getattr(self.optimizer, "copy_targets", None)
-        for c in chunks:
-            target = self._targets[id(c)] = self._copy_target(c, ring=len(chunks) == 1)
-            if target is not None and fused_copy is not None:
+    def _inv_scale(self) -> float:
+        scale = self.scaler.scale if self.scaler else 1.0
+        return 1.0 / (self.comm.world * self.accumulation * scale)
+
+    def _update(self, grads, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
+        """One update from the chunks' reduced gradients (compute dtype, summed over ranks and
+        micro-batches): fp16 overflow check, clipping, the step, and `finish(chunk, 16-bit target)`
+        for each stepped chunk. Chunks whose optimizer lives on the host step one at a time, each
+        with its fp32 gradient made just before and dropped just after (ZeRO-R's constant buffers:
+        never the whole model's fp32 gradient at once), in the order the next forward needs them.
+        Returns (applied, overflow, global norm or None)."""
+        if self.scaler is not None and self._overflowed(comm, grads):
+            self._drop_grads()
+            return False, True, None
+        norm = coef = None
+        if self.clip is not None:
+            norm = self._global_norm(comm, grads, inv)
+            coef = min(self.clip / (norm + 1e-6), 1.0)
+
+        read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
+
+        def load(c, g):
+            if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
+                g = torch.zeros(c.master.numel(), dtype=self.dtype, device=c.master.device)
+            if read_16bit is not None and g.dtype != torch.float32 and g.device.type == c.master.device.type == "cpu":
+                read_16bit[id(c.master)] = (g, inv, coef if coef is not None and coef < 1.0 else 1.0)
+                return
+            g = g.mul_(inv) if self.dtype == torch.float32 else g.float().mul_(inv)
+            if coef is not None and coef < 1.0:
+                g.mul_(coef)
+            c.master.grad = g
+
+        on_host = {i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host}
+        if len(opt.param_groups) > 1:  # a step over a subset of chunks assumes one group
+            on_host = set()
+        one_by_one = sorted(on_host)
+        together = [i for i in range(len(self.chunks)) if i not in on_host]
+        if together:
+            for i in together:
+                load(self.chunks[i], grads[i])
+            chunks = [self.chunks[i] for i in together]
+            for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
+                finish(c, target)
+        for i in one_by_one:
+            c = self.chunks[i]
+            load(c, grads[i])
+            grads[i] = None
+            (target,) = self._step_chunks(opt, [c], target_of)
+            c.master.grad = None
+            finish(c, target)
+        self._drop_grads()
+        return True, False, norm
+
+    def _overflowed(self, comm, grads) -> bool:
+        """fp16: whether any rank's gradient is not finite (one small all-reduce). Scaling by a
+        finite factor neither makes nor unmakes an inf or NaN, so the unscaled gradients tell."""
+        local = torch.zeros(1, device=comm.device)
+        for g in grads:
+            if g is not None and not torch.isfinite(g).all():
+                local.fill_(1.0)
+                break
+        return bool(comm.control_all_reduce(local, dist.ReduceOp.MAX).item())
+
+    def _global_norm(self, comm, grads, inv: float) -> float:
+        """L2 norm of the scaled fp32 gradient over every shard (one small all-reduce), computed
+        chunk by chunk from the unscaled gradients."""
+        sq = torch.zeros(1, dtype=torch.float32, device=comm.device)
+        for g in grads:
+            if g is not None:
+                sq += (g * inv if self.dtype == torch.float32 else g.float().mul_(inv)).pow(2).sum().to(sq.device)
+        if self.stage > 0:  # stage 0: every rank already holds the whole gradient
+            comm.control_all_reduce(sq)
+        return math.sqrt(sq.item())
+
+    def _step_chunks(self, opt, chunks, target_of) -> list:
+        """opt.step() over these chunks' masters only (all of them: one plain step). Returns each
+        chunk's 16-bit target (see _copy_target), which an optimizer that can (CPUAdamW) has
+        written in the same pass."""
+        fused_copy = getattr(opt, "copy_targets", None)
+        targets = [target_of(c, len(chunks) == 1) for c in chunks]
+        for c, target in zip(chunks, targets):
+            if target is not None and fused_copy is not None and target.dtype != torch.float32:
                 fused_copy[id(c.master)] = target
+        # The user's optimizer is stepped through its own step (an LR scheduler wraps that to
+        # count calls); the delayed update's view of it through the class's.
+        run = opt.step if opt is self.optimizer else (lambda: type(opt).step(opt))
         if len(chunks) == len(self.chunks):
-            self.optimizer.step()
-            return
-        group = self.optimizer.param_groups[0]
+            run()
+            return targets
+        group = opt.param_groups[0]
         saved, group["params"] = group["params"], [c.master for c in chunks]
         try:
-            self.optimizer.step()
+            run()
         finally:
             group["params"] = saved
+        return targets
 
     def _copy_target(self, c, ring: bool) -> torch.Tensor | None:
         """Where the 16-bit copy of an updated master goes when it can be written on the master's
@@ -198,11 +285,10 @@ class ShardedOptimizer:
         self._staging_slot_of[id(c)] = slot
         return buf[:c.master.numel()]
 
-    def _publish(self, c, gathers: list) -> None:
+    def _publish(self, c, target, gathers: list) -> None:
         """Bring chunk c's updated master into its compute shard, then (stages 1-2) start the
         all-gather that gives every rank the whole updated chunk."""
         if not c.master_is_shard:
-            target = self._targets.pop(id(c))
             if target is not None and id(c.master) not in getattr(self.optimizer, "copied", ()):
                 target.copy_(c.master)
             if target is c.shard:
@@ -218,28 +304,112 @@ class ShardedOptimizer:
         if self.stage in (1, 2):
             gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
 
-    def _clip(self) -> float:
-        sq = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
+    # -- the delayed update (DPU) -----------------------------------------------------------------
+    def _launch(self) -> None:
+        """IDLE -> IN_FLIGHT: hand this step's gradients to a background thread that steps the
+        masters and writes the 16-bit result into staging; `land()` publishes it."""
+        assert self.update is UpdateState.IDLE, self.update
+        self._state_bytes_at_launch = self.state_bytes()
+        for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
+            if id(c) not in self._delay_staging:
+                self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype), None]
+        grads = [c.take_host_grad() for c in self.chunks]
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        inv = self._inv_scale()
+        self.update = UpdateState.IN_FLIGHT
+        # Not a daemon: one killed inside a torch kernel at interpreter exit aborts the process;
+        # exit waits for the last update instead.
+        self._thread = threading.Thread(target=self._run_delayed, args=(grads, hyper, inv), daemon=False,
+                                        name="zeroshard-delayed-update")
+        self._thread.start()
+
+    def _run_delayed(self, grads, hyper, inv: float) -> None:
+        """The background thread: everything of one host step but the upload."""
+        try:
+            with torch.no_grad():
+                opt = self.optimizer
+                # A view of the optimizer with its own param groups (hyperparameters as at step());
+                # it shares the state and every other attribute, changed ones are copied back on landing.
+                view = object.__new__(type(opt))
+                view.__dict__.update(opt.__dict__)
+                view.param_groups = [dict(h, params=list(g["params"])) for h, g in zip(hyper, opt.param_groups)]
+                before = dict(view.__dict__)
+
+                def to_staging(c, target):
+                    if id(c.master) not in getattr(view, "copied", ()):
+                        target.copy_(c.master)
+
+                outcome = self._update([fold_host_grad(h, p) for h, p in grads], inv, self.side_comm, view,
+                                       lambda c, ring: self._delay_target(c), to_staging)
+                changed = {k: v for k, v in view.__dict__.items()
+                           if k != "param_groups" and before.get(k, view) is not v}
+                self._outcome = (*outcome, changed)
+        except BaseException as e:  # re-raised in the main thread by land()
+            self._outcome = e
+
+    def _delay_target(self, c) -> torch.Tensor:
+        """Chunk c's host staging buffer in the compute dtype, once the upload that last read it is
+        done (called in the background thread: it waits, the main thread does not)."""
+        slot = self._delay_staging[id(c)]
+        if slot[1] is not None:
+            slot[1].sync()
+            slot[1] = None
+        return slot[0]
+
+    def land(self) -> bool | None:
+        """IN_FLIGHT -> IDLE: wait for the delayed update and publish it (upload each chunk's new
+        16-bit shard; at stages 1-2, all-gather it). Returns whether it was applied (False: fp16
+        overflow skipped it), or None when no update was in flight."""
+        if self.update is UpdateState.IDLE:
+            return None
+        self._thread.join()
+        self._thread, outcome, self._outcome = None, self._outcome, None
+        self.update = UpdateState.IDLE
+        if isinstance(outcome, BaseException):
+            raise RuntimeError("zeroshard: the delayed optimizer step failed in its background thread: "
+                               f"{type(outcome).__name__}: {outcome}") from outcome
+        applied, overflow, norm, changed = outcome
+        self.optimizer.__dict__.update(changed)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+            self.skipped_steps += int(overflow)
+        if self.clip is not None and applied:
+            self.last_grad_norm = norm
+        if not applied:
+            return False
+        gathers = []
         for c in self.chunks:
-            sq += c.master.grad.pow(2).sum().to(sq.device)
-        if self.stage > 0:  # stage 0: every rank already holds the whole gradient
-            self.comm.control_all_reduce(sq)
-        norm = math.sqrt(sq.item())
-        coef = min(self.clip / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            for c in self.chunks:
-                c.master.grad.mul_(coef)
-        return norm
+            slot = self._delay_staging[id(c)]
+            upload = c.transfer.to_device(slot[0], out=c.shard)
+            slot[1] = upload
+            if self.stage in (1, 2) and self.comm.world > 1:  # the all-gather reads the shard now
+                upload.wait()
+                gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
+            else:  # waited for at the chunk's first use (Chunk.await_arrival)
+                c.arriving = upload
+        for w in gathers:
+            if w is not None:
+                w.wait()
+        return True
+
+    def await_arrivals(self) -> None:
+        """Order the compute stream after every upload of the landed update (before reading
+        parameters outside a forward)."""
+        for c in self.chunks:
+            c.await_arrival()
 
     def _drop_grads(self) -> None:
         for c in self.chunks:
             c.master.grad = None
-        if hasattr(self.optimizer, "copied"):
-            self.optimizer.copied.clear()
+        for name in ("copied", "grad_inputs"):  # CPUAdamW's per-step side channels
+            if hasattr(self.optimizer, name):
+                getattr(self.optimizer, name).clear()
 
     def state_bytes(self) -> dict[bool, int]:
         """Bytes of the optimizer's own state tensors (moments etc.) on this rank, by whether they
         are on the host."""
+        if self.update is UpdateState.IN_FLIGHT:  # the thread may be creating state: as at launch
+            return dict(self._state_bytes_at_launch)
         host_of = {id(c.master): c.placement.optimizer_on_host for c in self.chunks}
         out = {False: 0, True: 0}
         for p, st in self.optimizer.state.items():

@@ -167,6 +167,7 @@ class Plan:
     flops: float  # per step and rank
     loads: int = 0  # chunk gathers per step
     notes: list[str] = field(default_factory=list)
+    reserve: int = 0  # the driver's share of other_bytes: outside the caching allocator, not fragmented
 
     @property
     def device_bytes(self) -> int:
@@ -175,7 +176,7 @@ class Plan:
 
     @property
     def fits_device(self) -> bool:
-        return self.device_bytes <= FRAGMENTATION * self.device_memory
+        return self.device_bytes - self.reserve <= FRAGMENTATION * (self.device_memory - self.reserve)
 
     @property
     def fits_host(self) -> bool:
@@ -229,7 +230,8 @@ class Planner:
         self.e_p = profile.element_size
         self.activation_bytes = int(ACTIVATION_MARGIN * profile.peak_activation_bytes)
         self.other_bytes = hw.reserve + profile.buffer_bytes
-        self.budget = FRAGMENTATION * hw.device_memory - self.activation_bytes - self.other_bytes  # C, bytes
+        # C, bytes: the allocator's share of the device (fragmentation applies to it, not to the reserve)
+        self.budget = FRAGMENTATION * (hw.device_memory - hw.reserve) - self.activation_bytes - profile.buffer_bytes
         staging = profile.largest_module_numel + profile.tied_numel
         self.cache_budget = max(0, int(self.budget / self.e_p) - staging)  # E, elements
         self.search_seconds = 0.0
@@ -336,7 +338,8 @@ class Planner:
                     transient_bytes=int(transient), activation_bytes=self.activation_bytes,
                     other_bytes=self.other_bytes, device_memory=hw.device_memory,
                     host_memory=hw.host_memory // t.ranks_per_host if hw.host_memory else 1 << 62, time=time,
-                    flops=self.profile.flops * t.accumulation, loads=sum(loads) if stage == 3 else 0)
+                    flops=self.profile.flops * t.accumulation, loads=sum(loads) if stage == 3 else 0,
+                    reserve=hw.reserve)
 
     # -- search -----------------------------------------------------------------------------------------
     def _gain_per_byte(self, stage: int, blocks: int | None, c: int) -> float:
@@ -440,12 +443,12 @@ class Planner:
                     f"{fmt_bytes(best.host_model_bytes)} of host memory per rank, and a rank has "
                     f"{fmt_bytes(best.host_memory)} ({self.target.ranks_per_host} rank(s) per host): more hosts, "
                     "or devices with more memory.")
-        need = best.device_bytes / FRAGMENTATION
+        need = best.reserve + (best.device_bytes - best.reserve) / FRAGMENTATION
         lines = [f"nothing fits in {fmt_bytes(hw.device_memory)} per device: the smallest configuration "
                  f"({best.describe()}) needs {fmt_bytes(need)}."]
         if self.other_bytes > 0.25 * hw.device_memory:
             lines.append(f"The driver reserve and buffers alone take {fmt_bytes(self.other_bytes)}.")
-        if self.activation_bytes > 0.5 * best.device_bytes:
+        if self.activation_bytes > 0.5 * (best.device_bytes - best.reserve):
             lines.append(f"Activations take {fmt_bytes(self.activation_bytes)} (1.25 x the profiled peak): "
                          "use a smaller micro-batch (activations scale with it)"
                          + ("" if self.profile.checkpoint_regions else ", or enable activation checkpointing")

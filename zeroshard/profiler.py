@@ -111,7 +111,8 @@ class _LiveBytes(TorchDispatchMode):
     def _assumed_value(self, t: torch.Tensor):
         """A meta tensor has no values, so a model that reads one (`.item()`, `if mask.all():`) gets
         an assumed one: True for a boolean (such checks usually guard the common case: no padding,
-        no packing), else 0. Said once, since the trace past that point may differ from training."""
+        no packing), else 0. Said once, since the trace past that point may differ from training.
+        Tensors on a real device (the model's own `torch.rand([])`, say) are read as they are."""
         value = True if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
         if not self.assumed:
             log.warning("zeroshard.profile: the model reads a tensor's value (%s); on the meta device "
@@ -125,7 +126,9 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # Only a meta tensor lacks a value: a real one (`torch.rand([]) < p`, as in LayerDrop) is read
+            # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
             return self._assumed_value(args[0])
         out = func(*args, **kwargs)
         count = flop_registry.get(func._overloadpacket)
