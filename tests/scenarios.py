@@ -303,6 +303,75 @@ def _add_offload():
 _add_offload()
 
 
+# -- loss.backward() instead of engine.backward(loss) ----------------------------------------------
+def _add_plain_backward():
+    for stage in range(4):
+        def fn(rank, world, stage=stage):
+            data = batches(4, world, 2, accumulation=2)
+            ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
+            engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 20000,
+                                                                  "gradient_accumulation_steps": 2})
+            for step in data:
+                for micro in step:
+                    engine(input_ids=micro[rank], labels=micro[rank]).loss.backward()
+                    engine.step()
+            return {"diff": max_diff(engine.full_state_dict(), ref), "micro_steps": engine.micro_steps}
+        SCENARIOS[f"plain_backward_stage{stage}"] = fn
+
+
+_add_plain_backward()
+
+
+@scenario
+def plain_backward_fp16_raises(rank, world):
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "precision": "fp16", "chunk_size": 20000})
+    x = batches(1, world, 1)[0, 0, rank]
+    try:
+        engine(input_ids=x, labels=x).loss.backward()
+    except RuntimeError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
+
+
+@scenario
+def desync_after_a_caught_backward_error(rank, world):
+    """Rank 0 raises half-way through a backward (after some chunks were reduced), catches it and
+    carries on, a micro-batch behind the others: every rank must get DivergedError, never a hang."""
+    import time
+    from zeroshard import DivergedError
+    if world == 1:
+        return {"raised": "n/a at world 1"}
+    data = batches(6, world, 2)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 2, "chunk_size": 4000})
+    fail = {"now": False}
+
+    def planted(grad):
+        if fail["now"]:
+            raise ValueError("planted failure in backward")
+        return grad
+
+    def hook_output(module, inputs, out):
+        t = out[0] if isinstance(out, tuple) else out
+        if t.requires_grad:
+            t.register_hook(planted)
+    engine.module.transformer.h[0].register_forward_hook(hook_output)
+    t0 = time.perf_counter()
+    try:
+        for k, step in enumerate(data):
+            x = step[0][rank]
+            fail["now"] = rank == 0 and k == 2
+            try:
+                engine.backward(engine(input_ids=x, labels=x).loss)
+            except ValueError:
+                continue  # what a user's try/except around a step does
+            engine.step()
+    except DivergedError as e:
+        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
+    else:
+        mine = {"raised": None}
+    return {"ranks": _gather(mine, world)}
+
+
 # -- delayed parameter update (ZeRO-Offload's DPU) ---------------------------------------------------
 DELAYED_CASES = {  # name: (precision, optimizer factory, accumulation, clip, lr decay per step)
     "fp32_sgd_lrdecay": ("fp32", make_sgd, 1, None, 0.8),
@@ -437,7 +506,7 @@ AUTO_CASES = {  # name: (precision, optimizer factory)
 def _auto_caps(world, prec, opt, example):
     """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
     ZeRO-3 offload need on the chunks the planner picks at that cap)."""
-    from zeroshard.engine import optimizer_state_bytes
+    from zeroshard.planner import optimizer_state_bytes
     from zeroshard.engine import default_device
     from zeroshard.hardware import probe
     from zeroshard.planner import FRAGMENTATION, Planner, Target

@@ -158,3 +158,30 @@ def test_parameter_read_outside_its_module_names_it(res):
     r, _ = res
     err = r["param_read_outside_forward"]["error"]
     assert err.startswith("ShardedParameterError") and "head.weight" in err, err
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_plain_loss_backward_trains_like_engine_backward(res, stage):
+    """`loss.backward()` on the engine's output, as FSDP users write it (two micro-batches per step,
+    SGD+momentum): the same model as the reference, within 1e-5."""
+    r, _ = res
+    got = ok(r, f"plain_backward_stage{stage}")
+    assert got["diff"] <= 1e-5 and got["micro_steps"] == 8
+
+
+def test_plain_loss_backward_with_fp16_raises_the_named_error(res):
+    r, _ = res
+    assert "call engine.backward(loss)" in (ok(r, "plain_backward_fp16_raises")["raised"] or "")
+
+
+def test_a_rank_that_carries_on_after_a_failed_backward_gets_diverged_error_everywhere(res):
+    """Rank 0 raises half-way through its third backward, catches it and goes on, a micro-batch
+    behind: every rank raises DivergedError (the order check compares micro-batch counts too) within
+    30 s, instead of training out of step and hanging at a later collective."""
+    r, world = res
+    got = ok(r, "desync_after_a_caught_backward_error")
+    if world == 1:
+        assert got["raised"] == "n/a at world 1"
+        return
+    assert [g["raised"] for g in got["ranks"]] == ["DivergedError"] * world, got
+    assert max(g["seconds"] for g in got["ranks"]) < 30

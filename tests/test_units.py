@@ -185,3 +185,39 @@ def test_a_dropped_engine_is_collected(stage):
     del engine
     gc.collect()
     assert ref() is None
+
+
+class _TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, pair, extra):
+        return (self.lin(pair.x) * pair.scale).sum() + self.lin(extra["k"][0]).sum() * extra["k"][1]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_namedtuple_and_dict_of_tuples_inputs(stage):
+    """Inputs go to the device through torch's pytree: a namedtuple (it has no one-argument
+    constructor) and a dict of tuples keep their types; non-tensors pass through."""
+    import collections
+    Pair = collections.namedtuple("Pair", "x scale")
+    torch.manual_seed(0)
+    ref = _TwoInputs()
+    torch.manual_seed(0)
+    engine = zeroshard.initialize(_TwoInputs(), lambda ps: torch.optim.SGD(ps, lr=0.1), {"stage": stage})
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    loss = engine(Pair(x, 2.0), {"k": (y, 3)})
+    assert torch.allclose(loss, ref(Pair(x, 2.0), {"k": (y, 3)}), atol=1e-6)
+    engine.backward(loss)
+    assert engine.step()
+
+
+def test_step_inside_backward_raises():
+    """A step called from inside backward (a gradient hook) is out of order: a named error, not a
+    corrupted step."""
+    engine = zeroshard.initialize(torch.nn.Linear(4, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), {"stage": 2})
+    out = engine(torch.randn(2, 4)).sum()
+    out.register_hook(lambda g: engine.step())
+    with pytest.raises(RuntimeError, match="step\\(\\) called while the engine is in backward"):
+        engine.backward(out)

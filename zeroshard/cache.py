@@ -49,6 +49,11 @@ class ChunkCache:
         self.departures = 0  # uses that were not the one the schedule expected
         self.off_schedule = False
 
+    def reset_peak(self) -> None:
+        """Start counting the peak (chunks and bytes held at once) afresh."""
+        self.peak = 0
+        self.peak_bytes = 0
+
     @property
     def gathered_bytes(self) -> int:
         """Bytes of the chunks gathered (or gathering) now."""

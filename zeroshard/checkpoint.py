@@ -334,7 +334,7 @@ def describe_model(engine) -> dict:
     """Parameter names, shapes and trainability in packing order, tied names, buffers, state_dict keys."""
     params = [[s.name, list(s.shape), s.param.requires_grad] for c in engine.chunks for s in c.slots]
     tied, buffers = {}, {}
-    for key, obj in engine._state_keys:
+    for key, obj in engine.state_keys:
         if id(obj) in engine.names:
             if key != engine.names[id(obj)]:
                 tied[key] = engine.names[id(obj)]
@@ -344,7 +344,7 @@ def describe_model(engine) -> dict:
             raise CheckpointError(f"zeroshard: state_dict entry {key!r} is neither a parameter nor a buffer (a "
                                   "module's extra state): zeroshard checkpoints do not hold those yet")
     return {"params": params, "tied": tied, "buffers": buffers,
-            "state_dict_keys": [k for k, _ in engine._state_keys]}
+            "state_dict_keys": [k for k, _ in engine.state_keys]}
 
 
 def mismatch(saved: dict, model: dict) -> str | None:
@@ -648,17 +648,11 @@ def _fix_layout(engine, order: list[str]) -> None:
     """Before the first training forward the engine has not fixed its chunk layout (it re-packs in
     order of first use): take the checkpoint's order instead. A re-pack needs an optimizer with one
     group and no state; otherwise the layout stays as it is (pieces load into any layout)."""
-    if engine._layout_final:
+    if engine.layout.final:
         return
     opt = engine.optim.optimizer
     by_name = {engine.names[id(p)]: p for p in engine.params}
-    wanted = [by_name[n] for n in order]
-    current = [s.param for c in engine.chunks for s in c.slots]
-    if [id(p) for p in wanted] != [id(p) for p in current] and not opt.state and len(opt.param_groups) == 1:
-        engine._repack(wanted)
-    engine._recorder.remove()
-    engine._recorder = None
-    engine._layout_final = True
+    engine.fix_layout([by_name[n] for n in order] if not opt.state and len(opt.param_groups) == 1 else None)
 
 
 def _piece_state(engine, kinds: dict):

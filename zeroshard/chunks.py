@@ -17,6 +17,10 @@ Vocabulary (used in names, logs and errors throughout zeroshard):
   (offload.py); with the optimizer on the host the reduced gradient is moved there too.
 
 Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
+Gradient states within one backward pass: ACCUMULATING -> REDUCING (a reduction in flight) ->
+REDUCED (finished during backward), back to ACCUMULATING at the end of backward; gradients that
+arrive late (reentrant checkpointing) set a REDUCING reduction aside (`stash`) or, once REDUCED, start
+a new buffer that the end of backward reduces and folds in (reducer.py decides when).
 """
 from __future__ import annotations
 
@@ -90,6 +94,14 @@ class ChunkState(enum.Enum):
     GATHERED = "gathered"
 
 
+class GradState(enum.Enum):
+    """A trainable chunk's gradient within one backward pass."""
+
+    ACCUMULATING = "accumulating"  # gradients arrive into grad_full; no reduction of this pass started
+    REDUCING = "reducing"  # a reduction of this pass's gradient is in flight (reduce_work)
+    REDUCED = "reduced"  # ... and it finished during backward
+
+
 class Chunk:
     """One chunk: its storage for a given stage, and the moves between its states.
 
@@ -160,8 +172,7 @@ class Chunk:
         if trainable and stage <= 1:
             self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
-        self.reduced = False  # a reduction of this backward pass's gradient has started
-        self.reduce_done = False  # ... and was finished during backward (stages 2-3)
+        self.grad_state = GradState.ACCUMULATING
         self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
         self.expected_grads = sum(1 for s in slots if s.param.requires_grad)
         # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
@@ -237,7 +248,8 @@ class Chunk:
     def start_reduce(self, comm) -> None:
         """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
         reduce-scatter into this rank's slot of the full gradient at stages 1-3."""
-        self.reduced = True
+        assert self.grad_state is not GradState.REDUCING, self.grad_state
+        self.grad_state = GradState.REDUCING
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         if self.stage == 0:
@@ -249,12 +261,14 @@ class Chunk:
         """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
         re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
         new buffer, reduced when backward ends."""
+        assert self.grad_state is GradState.REDUCING, self.grad_state
         self.stash = (self.grad_full, self.reduce_work)
-        self.grad_full, self.reduce_work, self.reduced = None, None, False
+        self.grad_full, self.reduce_work = None, None
+        self.grad_state = GradState.ACCUMULATING
 
     def finish_reduce(self) -> None:
         """Wait for this backward pass's reductions and fold them into the kept gradient."""
-        if self.stash is not None and not self.reduced:
+        if self.stash is not None and self.grad_state is not GradState.REDUCING:
             # Late gradients have started a new buffer that is not reduced yet: the stashed
             # reduction is folded in with that one's, later in this backward.
             buf, work = self.stash
@@ -271,10 +285,9 @@ class Chunk:
         if self.reduce_work is not None:
             self.reduce_work.wait()
             self.reduce_work = None
-        if not self.reduced:  # stages 0-1 between accumulation boundaries: nothing was reduced
+        if self.grad_state is not GradState.REDUCING:  # nothing reduced (stages 0-1 between boundaries)
             return
-        self.reduced = False
-        self.reduce_done = True
+        self.grad_state = GradState.REDUCED
         lo, hi = self.owned_range
         if self.stage <= 1:
             if stashed is not None:
@@ -327,7 +340,26 @@ class Chunk:
         lo, hi = self.owned_range
         return self.grad_full[lo:hi]
 
+    def abandon_reduce(self) -> None:
+        """A backward pass failed: drop its reductions in flight and what they were reducing (stages
+        2-3: the pass's full gradient; stages 0-1 keep theirs, accumulated as torch's .grad is)."""
+        self.reduce_work = None
+        self.stash = None
+        if self.stage >= 2:
+            self.grad_full = None
+        self.grads_seen = 0
+        self.grad_state = GradState.ACCUMULATING
+
+    def end_backward(self) -> None:
+        """The backward pass is over (its reductions finished): the next one starts afresh."""
+        assert self.grad_state is not GradState.REDUCING, self.grad_state
+        self.grads_seen = 0
+        self.grad_state = GradState.ACCUMULATING
+
     def zero_grad(self) -> None:
+        if self.grad_in_flight is not None:  # left by a failed step: dropped, once its source is read
+            self.grad_in_flight.fence()
+            self.grad_in_flight = None
         self.host_grad = None
         if self.stage <= 1:
             self.grad_full.zero_()

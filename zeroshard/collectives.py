@@ -27,7 +27,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# Order-check tags: (kind << 32) | chunk index, for the collectives that module hooks drive.
+TIMEOUT = datetime.timedelta(minutes=10)  # how long a collective waits for the other ranks
+
+# Order-check tags, for the collectives that module hooks drive: (pass << 40) | (kind << 32) | chunk
+# index, the pass being the rank's count of forward-backward passes (micro-batches) mod 2^20, so that
+# ranks a micro-batch or a step apart disagree at their first check.
 GATHER, REDUCE = 1, 2
 
 
@@ -36,8 +40,9 @@ def order_tag(kind: int, chunk_index: int) -> int:
 
 
 def describe_tag(tag: int) -> str:
-    kind, index = tag >> 32, tag & 0xFFFFFFFF
-    return {GATHER: "gather", REDUCE: "reduce the gradients of"}.get(kind, f"op {kind} on") + f" chunk {index}"
+    n, kind, index = tag >> 40, (tag >> 32) & 0xFF, tag & 0xFFFFFFFF
+    what = {GATHER: "gather", REDUCE: "reduce the gradients of"}.get(kind, f"op {kind} on")
+    return f"{what} chunk {index} in micro-batch {n}"
 
 
 class DivergedError(RuntimeError):
@@ -69,7 +74,7 @@ def init_process_group(device: torch.device | None = None) -> None:
             warnings.warn(f"zeroshard: {ranks_per_node()} ranks share {torch.cuda.device_count()} GPU(s); NCCL "
                           "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
         backend = "nccl" if cuda and not shared else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=TIMEOUT)
 
 
 class _Staged:
@@ -104,6 +109,7 @@ class Comm:
         self._order_check_buf = None
         self._pending_checks = collections.deque()  # (tag, pinned answer, event, step epoch): NCCL only
         self._order_epoch = 0
+        self.pass_index = 0  # forward-backward passes this rank has run: part of every order check
         # gloo carries CUDA tensors through host copies (see init_process_group)
         self.staged = (self.distributed and device.type == "cuda"
                        and dist.get_backend(group) == dist.Backend.GLOO)
@@ -121,7 +127,7 @@ class Comm:
         if self.world == 1:
             return Comm(torch.device("cpu"), self.group)
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo"))
+        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo", timeout=TIMEOUT))
 
     def _count(self, n: int) -> None:
         if self.counting and self.world > 1:
@@ -219,6 +225,7 @@ class Comm:
         the next step (`verify_order`)."""
         if self.world == 1:
             return
+        tag |= (self.pass_index & 0xFFFFF) << 40
         self.control_collectives += 1
         if self.device.type == "cuda" and not self.staged:
             self._check_order_later(tag)
@@ -263,6 +270,7 @@ class Comm:
             raise DivergedError(
                 f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but another "
                 f"rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must call the same "
-                "modules in the same order (data-dependent control flow that differs between ranks is "
-                "not supported at this stage)."
+                "modules in the same order, and run the same micro-batches (a rank that caught an "
+                "exception inside forward or backward and carried on is out of step with the others; "
+                "data-dependent control flow that differs between ranks is not supported at this stage)."
             )

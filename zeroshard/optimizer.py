@@ -46,6 +46,13 @@ class LossScaler:
         self.scale = float(initial)
         self.window = window
         self.clean_steps = 0
+        self.grads_scale = self.scale  # the scale the gradients now accumulating were computed with
+
+    def scale_loss(self, loss):
+        """The loss to differentiate: times the current scale, which its gradients then carry (a
+        delayed update may change `scale` before they are stepped)."""
+        self.grads_scale = self.scale
+        return loss.float() * self.scale
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -139,7 +146,12 @@ class ShardedOptimizer:
         in the background is counted in `skipped_steps` when it lands)."""
         self.boundaries += 1
         if self.delay_after is not None and self.boundaries > self.delay_after:
-            self.land()
+            try:
+                self.land()
+            except BaseException:
+                for c in self.chunks:  # this step's gradients cannot be applied to a failed state: dropped
+                    c.take_host_grad()
+                raise
             self._launch()
             return True
         gathers = []
@@ -157,7 +169,7 @@ class ShardedOptimizer:
         return applied
 
     def _inv_scale(self) -> float:
-        scale = self.scaler.scale if self.scaler else 1.0
+        scale = self.scaler.grads_scale if self.scaler else 1.0
         return 1.0 / (self.comm.world * self.accumulation * scale)
 
     def _update(self, grads, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
@@ -314,7 +326,9 @@ class ShardedOptimizer:
             if id(c) not in self._delay_staging:
                 self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype), None]
         grads = [c.take_host_grad() for c in self.chunks]
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
+        hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+                 for g in self.optimizer.param_groups]
         inv = self._inv_scale()
         self.update = UpdateState.IN_FLIGHT
         # Not a daemon: one killed inside a torch kernel at interpreter exit aborts the process;
@@ -326,6 +340,8 @@ class ShardedOptimizer:
     def _run_delayed(self, grads, hyper, inv: float) -> None:
         """The background thread: everything of one host step but the upload."""
         try:
+            if self.comm.device.type == "cuda":  # a new thread starts on device 0
+                torch.cuda.set_device(self.comm.device)
             with torch.no_grad():
                 opt = self.optimizer
                 # A view of the optimizer with its own param groups (hyperparameters as at step());

@@ -1,0 +1,118 @@
+"""The chunk layout: which chunk each parameter lives in, and whether that may still change.
+
+Vocabulary: the layout is the list of chunks (chunks.py) in packing order, with each parameter's
+slot. Chunks are first packed in module order; the first training forward records the order of
+first use (hooks.FirstUseRecorder), and the engine re-packs once if it differs, so that stage 3
+gathers chunks in the order the model needs them. After that (or from the start, when a profile or a
+checkpoint gave the order) the layout is *final*: chunks never move again.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .chunks import Chunk, ChunkState, Slot, pack
+from .collectives import Comm
+from .hooks import FirstUseRecorder, direct_params
+from .offload import Placement, Transfer
+
+
+class ChunkLayout:
+    """`placement_of(index)`: where chunk `index`'s model states live. `real_params(module)`: a
+    module's direct parameters even while stage 3 has placeholders in their place."""
+
+    def __init__(self, names: dict[int, str], shapes: dict[int, torch.Size], *, stage: int,
+                 comm: Comm, dtype: torch.dtype, device: torch.device, transfer: Transfer, capacity: int,
+                 placement_of: Callable[[int], Placement]):
+        self.names, self.shapes = names, shapes
+        self.stage, self.comm, self.dtype, self.device, self.transfer = stage, comm, dtype, device, transfer
+        self.capacity = capacity  # elements per chunk (raised to the largest parameter)
+        self.placement_of = placement_of
+        self.real_params: Callable[[nn.Module], list] = direct_params
+        self.chunks: list[Chunk] = []
+        self.slot_of: dict[int, tuple[Chunk, Slot]] = {}  # id(param) -> its chunk and slot
+        self._module_chunks: dict[nn.Module, list[Chunk]] = {}
+        self.recorder: FirstUseRecorder | None = None
+        self.final = False
+
+    def build(self, order: list[nn.Parameter], values: list[torch.Tensor], broadcast: bool) -> None:
+        """Pack `order` into chunks (trainable and frozen parameters apart: frozen ones have no
+        gradients and no optimizer state) with the given full values; `broadcast`: ranks take rank
+        0's values."""
+        chunks, self.slot_of, self._module_chunks = [], {}, {}
+        value_of = {id(p): v for p, v in zip(order, values)}
+        for trainable in (True, False):
+            group = [p for p in order if p.requires_grad == trainable]
+            for placed in pack([self.shapes[id(p)].numel() for p in group], self.capacity):
+                slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
+                              self.shapes[id(group[i])]) for i, off in placed]
+                c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
+                          dtype=self.dtype, device=self.device, trainable=trainable,
+                          values=[value_of[id(s.param)] for s in slots], comm=self.comm if broadcast else None,
+                          placement=self.placement_of(len(chunks)), transfer=self.transfer)
+                chunks.append(c)
+                for s in slots:
+                    self.slot_of[id(s.param)] = (c, s)
+        self.chunks = chunks
+
+    def differs(self, order: list[nn.Parameter]) -> bool:
+        """Whether packing `order` would change the layout (trainable parameters pack first)."""
+        current = [s.param for c in self.chunks for s in c.slots]
+        want = [p for t in (True, False) for p in order if p.requires_grad == t]
+        return [id(p) for p in want] != [id(p) for p in current]
+
+    def release_gathered(self) -> None:
+        """Stage 3, before a re-pack: give back every gathered chunk."""
+        for c in self.chunks:
+            if self.stage == 3 and c.state is not ChunkState.SHARDED:
+                c.release()
+
+    def record_first_use(self, module: nn.Module) -> None:
+        """Record the order of first use in the next training forward. Its hooks must run after
+        stage 3's, which put the real parameters in place: install them after those."""
+        self.recorder = FirstUseRecorder(module)
+
+    def finalize(self) -> None:
+        """No re-pack from now on: stop recording first use."""
+        if self.recorder is not None:
+            self.recorder.remove()
+            self.recorder = None
+        self.final = True
+
+    def chunks_of(self, module: nn.Module) -> list[Chunk]:
+        """The chunks holding `module`'s direct parameters, in order of first appearance."""
+        got = self._module_chunks.get(module)
+        if got is None:
+            got = []
+            for _, p in self.real_params(module):
+                c = self.slot_of[id(p)][0]
+                if c not in got:
+                    got.append(c)
+            self._module_chunks[module] = got
+        return got
+
+    @torch.no_grad()
+    def full_values(self) -> dict[int, torch.Tensor]:
+        """Full fp32 value of every parameter, by id (a collective; not counted as step traffic)."""
+        out = {}
+        self.comm.counting = False
+        try:
+            for c in self.chunks:
+                if c.master is not None:
+                    src, lo, hi = c.master.detach(), *c.owned_range
+                else:
+                    src, (lo, hi) = c.shard, c.owned_range
+                src = src.to(self.device)  # an offloaded shard: the collective runs on the device
+                if (lo, hi) == (0, c.padded_numel):
+                    full = src.float()
+                else:
+                    full = torch.empty(c.padded_numel, dtype=src.dtype, device=self.device)
+                    self.comm.all_gather(full, src)
+                    full = full.float()
+                for s in c.slots:
+                    out[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape)
+        finally:
+            self.comm.counting = True
+        return out

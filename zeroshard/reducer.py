@@ -1,0 +1,95 @@
+"""Gradient reduction: when, during backward, each chunk's gradient is reduced across ranks.
+
+- Stages 0-1 keep the full gradient for the whole step and reduce only in the backward pass of the
+  micro-batch that ends the step (all-reduce at 0, reduce-scatter at 1), as each chunk completes.
+- Stages 2-3 reduce-scatter in every micro-batch, as each chunk completes, and keep only their shard.
+A chunk is complete when every trainable parameter in it has its gradient. Whatever is not complete
+when backward ends (parameters that got no gradient, gradients that came late) is reduced then, in
+chunk order, so every rank issues the same collectives in the same order.
+
+The per-chunk state (GradState: ACCUMULATING -> REDUCING -> REDUCED) lives on the chunk; this module
+decides the transitions. It issues only reductions; the engine says where a backward pass begins and
+ends and hands over each gradient as autograd accumulates it.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from .chunks import Chunk, GradState, Slot
+from .collectives import REDUCE, Comm, order_tag
+
+MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
+
+
+class GradientReducer:
+    def __init__(self, comm: Comm, stage: int, check_order: bool):
+        self.comm = comm
+        self.stage = stage
+        self.check_order = check_order
+        self.reduce_now = False  # this backward pass reduces (stages 2-3 always; 0-1 at a window's end)
+        self._in_flight: collections.deque[Chunk] = collections.deque()  # stages 2-3, oldest first
+
+    def begin(self, ends_window: bool) -> None:
+        """A backward pass starts; `ends_window`: its micro-batch is the last before a step."""
+        self.reduce_now = self.stage >= 2 or ends_window
+
+    def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
+        """Accumulate one parameter's gradient into its chunk. One that arrives after the chunk's
+        reduction started (reentrant checkpointing re-runs a parameter in two regions) sets that
+        reduction aside, to be folded in with the late gradients' own."""
+        if chunk.grad_state is GradState.REDUCING:
+            chunk.stash_reduced()
+        chunk.accumulate_grad(slot, grad)
+        chunk.grads_seen += 1
+
+    def reduce_if_complete(self, chunk: Chunk) -> None:
+        if (self.reduce_now and chunk.grad_state is not GradState.REDUCING
+                and chunk.grads_seen == chunk.expected_grads):
+            self._start(chunk)
+            if self.stage >= 2:
+                self._in_flight.append(chunk)
+                self._finish_completed()
+
+    def end(self, chunks: list[Chunk]) -> None:
+        """The backward pass is over: reduce what is not reduced yet, wait for every reduction and
+        fold it into the kept gradient."""
+        self._in_flight.clear()
+        for c in chunks:
+            if not c.trainable or not self.reduce_now:
+                continue
+            late = c.grad_state is GradState.REDUCED and c.grad_full is not None  # came after it finished
+            if c.grad_state is GradState.ACCUMULATING or late:
+                self._start(c)
+        for c in chunks:
+            if c.trainable:
+                c.finish_reduce()
+                c.end_backward()
+
+    def abandon(self, chunks: list[Chunk]) -> None:
+        """The backward pass raised: forget its reductions without waiting for them (a peer that
+        went on may never issue their other halves)."""
+        self._in_flight.clear()
+        for c in chunks:
+            if c.trainable:
+                c.abandon_reduce()
+
+    def _start(self, chunk: Chunk) -> None:
+        if self.check_order:
+            self.comm.check_order(order_tag(REDUCE, chunk.index))
+        chunk.start_reduce(self.comm)
+
+    def _finish_completed(self) -> None:
+        """Stages 2-3, during backward: finish the reductions that are done, oldest first, so their
+        full gradient buffers are freed (and, with the optimizer offloaded, their reduced gradient
+        starts its copy to the host) while backward goes on. At most MAX_REDUCING stay in flight:
+        past that the oldest is waited for, so gradient buffers stay a constant size (ZeRO-R) even
+        where a backend's work never reports completion before wait() (gloo's reduce-scatter)."""
+        while self._in_flight:
+            c = self._in_flight[0]
+            done = c.reduce_work is None or c.reduce_work.is_completed()
+            if not done and len(self._in_flight) <= MAX_REDUCING:
+                return
+            self._in_flight.popleft()
+            c.finish_reduce()
