@@ -1,4 +1,4 @@
-"""Step time of DeepSpeed ZeRO stages 1-3 on the gpt2-tiny workload of bench/step_time.py, CPU.
+"""Step time of DeepSpeed ZeRO stages 1-3 on a workload of bench/step_time.py (--model), CPU.
 
     torchrun --standalone --nproc_per_node 2 bench/deepspeed_step.py [--steps 20] [--warmup 3] [--json out.json]
         [--stages 1,2,3]
@@ -48,17 +48,16 @@ import torch.distributed as dist  # noqa: E402
 
 # The workload, its data and the timing loop are step_time.py's own, so both tables measure the same thing.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import (B, REFERENCE_LOSSES, T, VOCAB, check_timing, make_model, timed_steps,  # noqa: E402
-                       timing_arguments)
+from step_time import WORKLOADS, check_timing, make_data, make_model, timed_steps, timing_arguments  # noqa: E402
 
 ALL_STAGES = [1, 2, 3]
 
 
-def ds_config(stage, world):
+def ds_config(stage, world, batch):
     return {
-        "train_micro_batch_size_per_gpu": B,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "train_batch_size": B * world,
+        "train_batch_size": batch * world,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,  # torch.optim.AdamW, the optimizer every system runs
         "gradient_clipping": 0.0,
@@ -67,13 +66,13 @@ def ds_config(stage, world):
     }
 
 
-def build(stage):
+def build(stage, workload):
     """Return (step_fn(x) -> loss, engine) for one ZeRO stage on a fresh model."""
     import deepspeed
-    model = make_model()
+    model = make_model(workload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=ds_config(stage, dist.get_world_size()))
+                                           config=ds_config(stage, dist.get_world_size(), WORKLOADS[workload]["B"]))
 
     def step(x):
         loss = engine(input_ids=x, labels=x).loss
@@ -86,7 +85,7 @@ def build(stage):
 def run(stage, args, data):
     rank, world = dist.get_rank(), dist.get_world_size()
     name = f"ds{stage}"
-    step, engine = build(stage)
+    step, engine = build(stage, args.model)
     step_times, losses = timed_steps(step, data, args)
     if hasattr(engine, "destroy"):
         engine.destroy()
@@ -99,8 +98,9 @@ def print_table(rows, machine, args):
     print(f"\nmachine: {machine['cores']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
           f"deepspeed {machine['deepspeed']} ({machine['accelerator']}), {machine['world']} ranks "
           f"({machine['backend']}), {machine['threads']} thread/rank")
-    print(f"gpt2-tiny, {args.steps} steps ({args.warmup} warmup), fp32, torch AdamW; reference losses "
-          f"{', '.join(f'{v:.6f}' for v in REFERENCE_LOSSES)}\n")
+    ref = WORKLOADS[args.model]["reference_losses"]
+    print(f"{args.model}, {args.steps} steps ({args.warmup} warmup), fp32, torch AdamW; reference losses "
+          + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: compare with step_time.py's") + "\n")
     print(f"{'system':<7} {'median s':>9}  {'first three global losses':<29}")
     for r in rows:
         if "error" in r:
@@ -144,7 +144,7 @@ def main():
             print(f"deepspeed.init_distributed failed ({e!r}); using torch.distributed gloo", flush=True)
             dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.randint(0, VOCAB, (args.steps, world, B, T), generator=torch.Generator().manual_seed(1234))
+    data = make_data(args.model, args.steps, world)
 
     rows = []
     for stage in stages:
@@ -162,7 +162,8 @@ def main():
 
     for r in rows:
         if "error" not in r:
-            r["mismatch"] = any(abs(a - b) > 1e-4 for a, b in zip(r["losses"], REFERENCE_LOSSES))
+            ref = WORKLOADS[args.model]["reference_losses"]
+            r["mismatch"] = ref is not None and any(abs(a - b) > 1e-4 for a, b in zip(r["losses"], ref))
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                "deepspeed": deepspeed.__version__, "accelerator": get_accelerator().device_name(),
                "backend": dist.get_backend(), "world": world, "threads": torch.get_num_threads(),
@@ -171,8 +172,9 @@ def main():
         print_table(rows, machine, args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"workload": "gpt2-tiny", "machine": machine, "deepspeed": deepspeed.__version__,
-                           "steps": args.steps, "warmup": args.warmup, "reference_losses": REFERENCE_LOSSES,
+                json.dump({"workload": args.model, "machine": machine, "deepspeed": deepspeed.__version__,
+                           "steps": args.steps, "warmup": args.warmup,
+                           "reference_losses": WORKLOADS[args.model]["reference_losses"],
                            "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")
     dist.destroy_process_group()

@@ -3,9 +3,10 @@
     torchrun --standalone --nproc_per_node 2 bench/step_time.py [--steps 20] [--warmup 3] [--json out.json]
         [--systems ddp,fsdp2,zs0,zs1,zs2,zs3] [--cache-chunks N] [--check-order | --no-check-order]
 
-Workload "gpt2-tiny": GPT-2 with 4 layers, n_embd 256, 4 heads, vocab 512, 128 positions, no
-dropout (seed 0); AdamW(lr=1e-3, weight_decay=0); 4 x 128 tokens per rank per step; gloo, 2 ranks,
-one thread each. Each system gets a fresh model and runs --steps steps on the same data; the first
+Workload (--model) "gpt2-tiny" (default): GPT-2 with 4 layers, n_embd 256, 4 heads, vocab 512, 128
+positions, 4 x 128 tokens per rank per step; "gpt2-small-cpu": 6 layers, n_embd 512, 8 heads, vocab
+8192, 256 positions, 2 x 256 tokens per rank. No dropout (seed 0); AdamW(lr=1e-3, weight_decay=0);
+gloo, 2 ranks, one thread each. Each system gets a fresh model and runs --steps steps on the same data; the first
 --warmup are not timed. A step is forward + backward + optimizer step, timed with perf_counter after
 a barrier so ranks start together; the step's time is the slowest rank's, and the table shows the
 median over timed steps. The first three global-mean losses (reference 6.294075, 6.306614,
@@ -36,15 +37,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroshard  # noqa: E402
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "zs0", "zs1", "zs2", "zs3"]
-REFERENCE_LOSSES = [6.294075, 6.306614, 6.290297]
-B, T, VOCAB = 4, 128, 512
+# name: GPT-2 shape, batch B x T tokens per rank, and the first three global-mean losses of one process
+# on the global batch (None: not fixed yet; each run's systems are compared with one another)
+WORKLOADS = {
+    "gpt2-tiny": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab": 512, "B": 4, "T": 128,
+                  "reference_losses": [6.294075, 6.306614, 6.290297]},
+    "gpt2-small-cpu": {"n_layer": 6, "n_embd": 512, "n_head": 8, "vocab": 8192, "B": 2, "T": 256,
+                       "reference_losses": None},
+}
+REFERENCE_LOSSES = WORKLOADS["gpt2-tiny"]["reference_losses"]
 
 
-def make_model():
+def make_model(workload: str = "gpt2-tiny"):
     from transformers import GPT2Config, GPT2LMHeadModel
+    w = WORKLOADS[workload]
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=T,
-                                      resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(GPT2Config(n_layer=w["n_layer"], n_embd=w["n_embd"], n_head=w["n_head"],
+                                      vocab_size=w["vocab"], n_positions=w["T"], resid_pdrop=0, embd_pdrop=0,
+                                      attn_pdrop=0, bos_token_id=0, eos_token_id=0))
+
+
+def make_data(workload: str, steps: int, world: int) -> torch.Tensor:
+    """Token ids [steps, world, B, T]: rank r trains on [:, r]."""
+    w = WORKLOADS[workload]
+    return torch.randint(0, w["vocab"], (steps, world, w["B"], w["T"]), generator=torch.Generator().manual_seed(1234))
 
 
 def adamw(params):
@@ -53,7 +69,7 @@ def adamw(params):
 
 def build(name, args):
     """Return (step_fn(x) -> loss, engine or None) for one system on a fresh model."""
-    model = make_model()
+    model = make_model(args.model)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
@@ -131,8 +147,10 @@ def run(name, args, data):
 def print_table(rows, machine, args):
     print(f"\nmachine: {machine['cores']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
           f"{machine['world']} ranks (gloo), {machine['threads']} thread/rank")
-    print(f"gpt2-tiny, {args.steps} steps ({args.warmup} warmup), cache_chunks={args.cache_chunks}, "
-          f"check_order={args.check_order}; reference losses {', '.join(f'{v:.6f}' for v in REFERENCE_LOSSES)}\n")
+    ref = WORKLOADS[args.model]["reference_losses"]
+    print(f"{args.model}, {args.steps} steps ({args.warmup} warmup), cache_chunks={args.cache_chunks}, "
+          f"check_order={args.check_order}; reference losses "
+          + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
     print(f"{'system':<7} {'median s':>9} {'vs DDP':>7}  {'first three global losses':<29} "
           f"{'comm':>8} {'state MiB/rank':>15}")
     for r in rows:
@@ -151,6 +169,7 @@ def timing_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per system, warmup included")
     ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
     ap.add_argument("--json", help="also write the figures to this JSON file")
+    ap.add_argument("--model", choices=list(WORKLOADS), default="gpt2-tiny", help="the workload (see WORKLOADS)")
 
 
 def check_timing(ap: argparse.ArgumentParser, args) -> None:
@@ -177,7 +196,7 @@ def main():
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # zeroshard reuses this group
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.randint(0, VOCAB, (args.steps, world, B, T), generator=torch.Generator().manual_seed(1234))
+    data = make_data(args.model, args.steps, world)
 
     rows = []
     for name in systems:
@@ -196,9 +215,9 @@ def main():
         print_table(rows, machine, args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"workload": "gpt2-tiny", "machine": machine, "steps": args.steps, "warmup": args.warmup,
+                json.dump({"workload": args.model, "machine": machine, "steps": args.steps, "warmup": args.warmup,
                            "cache_chunks": args.cache_chunks, "check_order": args.check_order,
-                           "reference_losses": REFERENCE_LOSSES, "systems": rows}, f, indent=2)
+                           "reference_losses": WORKLOADS[args.model]["reference_losses"], "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")
     dist.destroy_process_group()
 
