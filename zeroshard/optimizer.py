@@ -146,12 +146,7 @@ class ShardedOptimizer:
         in the background is counted in `skipped_steps` when it lands)."""
         self.boundaries += 1
         if self.delay_after is not None and self.boundaries > self.delay_after:
-            try:
-                self.land()
-            except BaseException:
-                for c in self.chunks:  # this step's gradients cannot be applied to a failed state: dropped
-                    c.take_host_grad()
-                raise
+            self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
         gathers = []
@@ -161,12 +156,17 @@ class ShardedOptimizer:
         for w in gathers:
             if w is not None:
                 w.wait()
+        self._account(applied, overflow, norm)
+        return applied
+
+    def _account(self, applied: bool, overflow: bool, norm: float | None) -> None:
+        """Record an update's outcome: the loss scale follows overflows, skips are counted, the
+        norm is kept (with clipping) when the update applied."""
         if self.scaler is not None:
             self.scaler.update(overflow)
             self.skipped_steps += int(overflow)
         if self.clip is not None and applied:
             self.last_grad_norm = norm
-        return applied
 
     def _inv_scale(self) -> float:
         scale = self.scaler.grads_scale if self.scaler else 1.0
@@ -182,10 +182,10 @@ class ShardedOptimizer:
         if self.scaler is not None and self._overflowed(comm, grads):
             self._drop_grads()
             return False, True, None
-        norm = coef = None
+        norm = coef = None  # coef: the clipping factor, None when the gradient is left as it is
         if self.clip is not None:
             norm = self._global_norm(comm, grads, inv)
-            coef = min(self.clip / (norm + 1e-6), 1.0)
+            coef = self.clip / (norm + 1e-6) if norm + 1e-6 > self.clip else None
 
         read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
 
@@ -193,10 +193,10 @@ class ShardedOptimizer:
             if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
                 g = torch.zeros(c.master.numel(), dtype=self.dtype, device=c.master.device)
             if read_16bit is not None and g.dtype != torch.float32 and g.device.type == c.master.device.type == "cpu":
-                read_16bit[id(c.master)] = (g, inv, coef if coef is not None and coef < 1.0 else 1.0)
+                read_16bit[id(c.master)] = (g, inv, 1.0 if coef is None else coef)
                 return
             g = g.mul_(inv) if self.dtype == torch.float32 else g.float().mul_(inv)
-            if coef is not None and coef < 1.0:
+            if coef is not None:
                 g.mul_(coef)
             c.master.grad = g
 
@@ -386,11 +386,7 @@ class ShardedOptimizer:
                                f"{type(outcome).__name__}: {outcome}") from outcome
         applied, overflow, norm, changed = outcome
         self.optimizer.__dict__.update(changed)
-        if self.scaler is not None:
-            self.scaler.update(overflow)
-            self.skipped_steps += int(overflow)
-        if self.clip is not None and applied:
-            self.last_grad_norm = norm
+        self._account(applied, overflow, norm)
         if not applied:
             return False
         gathers = []
@@ -411,6 +407,8 @@ class ShardedOptimizer:
     def await_arrivals(self) -> None:
         """Order the compute stream after every upload of the landed update (before reading
         parameters outside a forward)."""
+        if self.delay_after is None:  # nothing ever arrives: keep the forward's end free of the loop
+            return
         for c in self.chunks:
             c.await_arrival()
 
