@@ -1,7 +1,7 @@
 """Step time of DeepSpeed ZeRO stages 1-3 on a workload of bench/step_time.py (--model), CPU.
 
-    torchrun --standalone --nproc_per_node 2 bench/deepspeed_step.py [--steps 20] [--warmup 3] [--json out.json]
-        [--stages 1,2,3]
+    torchrun --standalone --nproc_per_node 2 bench/deepspeed_step.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
+        [--json out.json] [--stages 1,2,3] [--phase-sync]
 
 Run it with a Python that has deepspeed, e.g. a side virtual environment (DeepSpeed is a peer we measure
 against, never a dependency of zeroshard, so it is not in the project's environment):
@@ -10,6 +10,9 @@ against, never a dependency of zeroshard, so it is not in the project's environm
     /opt/ds-venv/bin/pip install torch==2.13.0                    # the CPU build, first, so nothing else pulls one
     /opt/ds-venv/bin/pip install transformers deepspeed==0.19.8
     /opt/ds-venv/bin/python -m torch.distributed.run --standalone --nproc_per_node 2 bench/deepspeed_step.py
+
+or the project's python with DeepSpeed and its pure-Python dependencies in side folders put on PYTHONPATH
+by a two-line wrapper (bench/run_all.py's docstring shows one; ZEROSHARD_DEEPSPEED_PYTHON names it there).
 
 The script sets DS_ACCELERATOR=cpu itself (unless already set) before importing deepspeed, so a plain
 torchrun launch works. The figures in shared/notes/anchors.md were taken with DeepSpeed's own launcher
@@ -24,10 +27,15 @@ clipping, DeepSpeed's default bucket sizes and overlap settings; 4 x 128 tokens 
 stage gets a fresh model (ZeRO-3 partitions it in deepspeed.initialize) and runs --steps steps on the same
 data; the first --warmup are not timed. A step is forward + engine.backward + engine.step, timed with
 perf_counter after a barrier so ranks start together; the step's time is the slowest rank's, and the table
-shows the median over timed steps. The first three global-mean losses should match the reference
-6.294075, 6.306614, 6.290297 (a stage more than 1e-4 off is flagged MISMATCH). A stage that fails is
-recorded in the JSON with its "error" and the others still run. For the ratio to DDP, run
-bench/step_time.py --systems ddp right before or after, on the same machine.
+shows the median over timed steps, and per phase (forward: the engine call producing the loss; backward:
+engine.backward(loss); step: engine.step()) the median of the slowest rank's phase times: the loop,
+phases and JSON fields ("phases_s") are step_time.py's own (timed_steps, timing_row). On gpt2-tiny the
+first three global-mean losses should match the reference 6.294075, 6.306614, 6.290297 (a stage more than
+1e-4 off is flagged MISMATCH); --model gpt2-small-cpu (step_time.py's WORKLOADS) has no fixed reference:
+compare with step_time.py's losses. A stage that fails is
+recorded in the JSON with its "error" and the others still run. torch DDP runs first in the same
+launch (row "ddp"), so each stage's ratio to DDP is taken in one sitting: a shared machine's speed
+drifts between launches by more than the differences measured here.
 """
 from __future__ import annotations
 
@@ -36,7 +44,6 @@ import datetime
 import gc
 import json
 import os
-import statistics
 import sys
 import traceback
 import warnings
@@ -48,7 +55,9 @@ import torch.distributed as dist  # noqa: E402
 
 # The workload, its data and the timing loop are step_time.py's own, so both tables measure the same thing.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_time import WORKLOADS, check_timing, make_data, make_model, timed_steps, timing_arguments  # noqa: E402
+from step_time import (PHASE_COLUMNS, PHASE_NOTE, WORKLOADS, Phases, check_timing, make_data,  # noqa: E402
+                       make_model, phase_cells, timed_steps, timing_arguments, timing_row)
+from step_time import build as build_torch_system  # noqa: E402
 
 ALL_STAGES = [1, 2, 3]
 
@@ -67,31 +76,26 @@ def ds_config(stage, world, batch):
 
 
 def build(stage, workload):
-    """Return (step_fn(x) -> loss, engine) for one ZeRO stage on a fresh model."""
+    """Return (Phases, engine) for one ZeRO stage on a fresh model."""
     import deepspeed
     model = make_model(workload)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, dist.get_world_size(), WORKLOADS[workload]["B"]))
-
-    def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step, engine
+    # engine.step() is DeepSpeed's optimizer step, gradients zeroed included.
+    return Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step), engine
 
 
 def run(stage, args, data):
     rank, world = dist.get_rank(), dist.get_world_size()
     name = f"ds{stage}"
-    step, engine = build(stage, args.model)
-    step_times, losses = timed_steps(step, data, args)
+    phases, engine = build(stage, args.model)
+    row = timing_row(name, *timed_steps(phases, data, args))
     if hasattr(engine, "destroy"):
         engine.destroy()
-    del step, engine
+    del phases, engine
     gc.collect()
-    return {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times, "losses": losses}
+    return row
 
 
 def print_table(rows, machine, args):
@@ -101,16 +105,19 @@ def print_table(rows, machine, args):
     ref = WORKLOADS[args.model]["reference_losses"]
     print(f"{args.model}, {args.steps} steps ({args.warmup} warmup), fp32, torch AdamW; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: compare with step_time.py's") + "\n")
-    print(f"{'system':<7} {'median s':>9}  {'first three global losses':<29}")
+    print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
+    ddp = rows[0]["median_s"]
+    print(f"{'system':<7} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29}")
     for r in rows:
         if "error" in r:
             print(f"{r['system']:<7} {'-':>9}  ERROR: {r['error'].splitlines()[-1] if r['error'] else '?'}")
             continue
         losses = " ".join(f"{v:.6f}" for v in r["losses"])
         flag = "  MISMATCH" if r.get("mismatch") else ""
-        print(f"{r['system']:<7} {r['median_s']:>9.4f}  {losses:<29}{flag}")
-    print("\nanchors (DeepSpeed launcher, vs DDP 0.178 s): ZeRO-1 0.232 s 1.30x, ZeRO-2 0.201 s 1.13x, "
-          "ZeRO-3 0.265 s 1.49x; take DDP from bench/step_time.py --systems ddp run alongside")
+        print(f"{r['system']:<7} {r['median_s']:>9.4f} {r['median_s'] / ddp:>6.2f}x {phase_cells(r)}  {losses:<29}{flag}")
+    if args.model == "gpt2-tiny":
+        print("\nanchors (DeepSpeed launcher, vs DDP 0.178 s): ZeRO-1 0.232 s 1.30x, ZeRO-2 0.201 s 1.13x, "
+              "ZeRO-3 0.265 s 1.49x")
 
 
 def main():
@@ -146,7 +153,9 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     data = make_data(args.model, args.steps, world)
 
-    rows = []
+    phases, _ = build_torch_system("ddp", args)
+    rows = [timing_row("ddp", *timed_steps(phases, data, args))]
+    del phases
     for stage in stages:
         if rank == 0:
             print(f"running ds{stage} ...", flush=True)
@@ -173,7 +182,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"workload": args.model, "machine": machine, "deepspeed": deepspeed.__version__,
-                           "steps": args.steps, "warmup": args.warmup,
+                           "steps": args.steps, "warmup": args.warmup, "phase_sync": args.phase_sync,
                            "reference_losses": WORKLOADS[args.model]["reference_losses"],
                            "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")

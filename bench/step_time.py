@@ -1,7 +1,8 @@
 """Step time of zeroshard stages 0-3 next to torch DDP and torch FSDP2, same model, same run, CPU.
 
-    torchrun --standalone --nproc_per_node 2 bench/step_time.py [--steps 20] [--warmup 3] [--json out.json]
-        [--systems ddp,fsdp2,zs0,zs1,zs2,zs3] [--cache-chunks N] [--check-order | --no-check-order]
+    torchrun --standalone --nproc_per_node 2 bench/step_time.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
+        [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3] [--cache-chunks N]
+        [--check-order | --no-check-order] [--phase-sync]
 
 Workload (--model) "gpt2-tiny" (default): GPT-2 with 4 layers, n_embd 256, 4 heads, vocab 512, 128
 positions, 4 x 128 tokens per rank per step; "gpt2-small-cpu": 6 layers, n_embd 512, 8 heads, vocab
@@ -9,15 +10,21 @@ positions, 4 x 128 tokens per rank per step; "gpt2-small-cpu": 6 layers, n_embd 
 gloo, 2 ranks, one thread each. Each system gets a fresh model and runs --steps steps on the same data; the first
 --warmup are not timed. A step is forward + backward + optimizer step, timed with perf_counter after
 a barrier so ranks start together; the step's time is the slowest rank's, and the table shows the
-median over timed steps. The first three global-mean losses (reference 6.294075, 6.306614,
-6.290297) show every system trains the same model; a system more than 1e-4 off zeroshard stage 0
-is flagged MISMATCH. For zeroshard rows it also prints the elements communicated per step in
+median over timed steps. Each step is also split into phases, perf_counter read at their boundaries
+inside the timed region (no barrier or synchronisation added): forward (the model call producing the
+loss), backward (loss.backward() / engine.backward(loss)) and step (optimizer step + zero_grad /
+engine.step()); a step's phases are those of the rank whose step was slowest, and the table shows each
+phase's median over timed steps (JSON: "phases_s" per row, "phase_times_s" per step). --phase-sync adds
+torch.cuda.synchronize() at the boundaries on a CUDA device (off by default: it perturbs the total).
+The first three global-mean losses (gpt2-tiny's reference 6.294075, 6.306614, 6.290297) show every
+system trains the same model; a system more than 1e-4 off zeroshard stage 0 is flagged MISMATCH. For zeroshard rows it also prints the elements communicated per step in
 units of Psi (the padded parameter count) and the model-state bytes each rank holds.
 
-Peer figures it is compared with (same workload, ratio of DDP's step time):
+Peer figures it is compared with (gpt2-tiny, ratio of DDP's step time):
     DDP 0.178 s (1.00)   FSDP2 0.401 s (2.25x)
     DeepSpeed ZeRO-1 1.30x   ZeRO-2 1.13x   ZeRO-3 1.49x
-Our goals: zeroshard stages 1-2 within 1.05x of DDP, stage 3 within 1.15x.
+Our goals (ratio to DDP, bench/run_all.py's GOALS): gpt2-tiny stages 1-2 <= 1.05, stage 3 <= 1.15;
+gpt2-small-cpu stages 1-2 <= 1.03, stage 3 <= 1.10.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,8 +75,19 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0)
 
 
+class Phases(NamedTuple):
+    """One system's training step split at its phase boundaries, each a callable: forward(x) -> loss
+    (the model call), backward(loss), step() (the optimizer step and zeroing the gradients)."""
+    forward: Callable
+    backward: Callable
+    step: Callable
+
+
+PHASES = Phases._fields  # ("forward", "backward", "step"): the keys of each JSON row's phases_s
+
+
 def build(name, args):
-    """Return (step_fn(x) -> loss, engine or None) for one system on a fresh model."""
+    """Return (Phases, engine or None) for one system on a fresh model."""
     model = make_model(args.model)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -83,54 +102,82 @@ def build(name, args):
     if name in ("ddp", "fsdp2"):
         opt = adamw(model.parameters())
 
-        def step(x):
-            loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+        def step():
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss
-        return step, None
+        return Phases(lambda x: model(input_ids=x, labels=x).loss, lambda loss: loss.backward(), step), None
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
         "stage": int(name[2:]), "cache_chunks": args.cache_chunks, "check_order": args.check_order})
-
-    def step(x):
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step, engine
+    return Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step), engine
 
 
-def timed_steps(step, data, args) -> tuple[list[float], list[float]]:
-    """Run `step` over args.steps batches of `data`; returns every timed step's time (the slowest
-    rank's, the first args.warmup left out) and the first three global-mean losses."""
+def timed_steps(phases: Phases, data, args) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """Run args.steps steps, one per batch of `data`, each forward, backward and optimizer step
+    (`phases`). Returns every timed step's time (the slowest rank's, the first args.warmup left out),
+    the first three global-mean losses, and per phase name that same rank's phase times in each timed
+    step (so a step's phases add up to its time).
+
+    perf_counter is read at the phase boundaries inside the timed region and nothing else happens
+    there: no barrier or synchronisation within a step. With args.phase_sync, in a process that has
+    used CUDA, torch.cuda.synchronize() precedes each reading so each phase holds its own kernels
+    (off by default: it would add to the step what the device could otherwise overlap)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    times, losses = [], []
+    sync = getattr(args, "phase_sync", False) and torch.cuda.is_available()
+    samples, losses = [], []  # per timed step: (total, forward, backward, step)
     for i in range(args.steps):
         x = data[i, rank]
         dist.barrier()
+        cuda = sync and torch.cuda.is_initialized()  # a process that never used CUDA has nothing to wait for
         t0 = time.perf_counter()
-        loss = step(x)
-        dt = time.perf_counter() - t0
+        loss = phases.forward(x)
+        if cuda:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        phases.backward(loss)
+        if cuda:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        phases.step()
+        if cuda:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
         if i >= args.warmup:
-            times.append(dt)
+            samples.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
         if i < 3:  # outside the timed region: the reduction is for the reader, not part of the step
             l = loss.detach().float().clone()
             dist.all_reduce(l)
             losses.append(l.item() / world)
-    # A step is as slow as its slowest rank.
-    all_times = [None] * world
-    dist.all_gather_object(all_times, times)
-    return [max(ts) for ts in zip(*all_times)], losses
+    # A step is as slow as its slowest rank; its phases are that rank's.
+    all_samples = [None] * world
+    dist.all_gather_object(all_samples, samples)
+    slowest = [max(per_rank, key=lambda s: s[0]) for per_rank in zip(*all_samples)]
+    return ([s[0] for s in slowest], losses, {name: [s[1 + k] for s in slowest] for k, name in enumerate(PHASES)})
+
+
+def timing_row(name: str, step_times: list[float], losses: list[float], phase_times: dict) -> dict:
+    """The JSON fields of a row, from timed_steps' results (deepspeed_step.py's rows too)."""
+    return {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times,
+            "losses": losses, "phases_s": {k: statistics.median(v) for k, v in phase_times.items()},
+            "phase_times_s": phase_times}
+
+
+# The printed tables' phase columns (deepspeed_step.py's too).
+PHASE_NOTE = ("fwd/bwd/step s: medians over the timed steps of forward (model call to the loss), backward and "
+              "step (optimizer step + zero_grad),\neach step's phases taken from the rank whose step was slowest "
+              "(the three medians need not add up to the median step)")
+PHASE_COLUMNS = " ".join(f"{h:>8}" for h in ("fwd s", "bwd s", "step s"))
+
+
+def phase_cells(row: dict) -> str:
+    ph = row.get("phases_s")
+    return " ".join(f"{ph[k]:>8.4f}" if ph else f"{'-':>8}" for k in PHASES)
 
 
 def run(name, args, data):
-    step, engine = build(name, args)
-    step_times, losses = timed_steps(step, data, args)
+    phases, engine = build(name, args)
+    row = timing_row(name, *timed_steps(phases, data, args))
     world = dist.get_world_size()
-    row = {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times,
-           "losses": losses}
     if engine is not None:
         s = engine.stats()
         state = [None] * world
@@ -139,7 +186,7 @@ def run(name, args, data):
                    num_params=s["num_params"], comm_psi=s["comm_elements"] / s["padded_elements"],
                    model_state_mib_per_rank=[b / 2**20 for b in state],
                    cache_peak_chunks=s.get("cache_peak_chunks"), cache_overflows=s.get("cache_overflows"))
-    del step, engine
+    del phases, engine
     gc.collect()
     return row
 
@@ -151,7 +198,8 @@ def print_table(rows, machine, args):
     print(f"{args.model}, {args.steps} steps ({args.warmup} warmup), cache_chunks={args.cache_chunks}, "
           f"check_order={args.check_order}; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
-    print(f"{'system':<7} {'median s':>9} {'vs DDP':>7}  {'first three global losses':<29} "
+    print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
+    print(f"{'system':<7} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29} "
           f"{'comm':>8} {'state MiB/rank':>15}")
     for r in rows:
         ratio = f"{r['vs_ddp']:.2f}x" if r.get("vs_ddp") is not None else "-"
@@ -159,15 +207,23 @@ def print_table(rows, machine, args):
         comm = f"{r['comm_psi']:.2f} Psi" if "comm_psi" in r else "-"
         state = "/".join(f"{m:.2f}" for m in r["model_state_mib_per_rank"]) if "comm_psi" in r else "-"
         flag = "  MISMATCH" if r.get("mismatch") else ""
-        print(f"{r['system']:<7} {r['median_s']:>9.4f} {ratio:>7}  {losses:<29} {comm:>8} {state:>15}{flag}")
-    print("\npeers (vs DDP): DDP 0.178 s 1.00, FSDP2 0.401 s 2.25x, DeepSpeed ZeRO-1 1.30x, ZeRO-2 1.13x, "
-          "ZeRO-3 1.49x; goals: zs1-zs2 <= 1.05x, zs3 <= 1.15x")
+        print(f"{r['system']:<7} {r['median_s']:>9.4f} {ratio:>7} {phase_cells(r)}  {losses:<29} {comm:>8} "
+              f"{state:>15}{flag}")
+    if args.model == "gpt2-tiny":
+        print("\npeers (vs DDP): DDP 0.178 s 1.00, FSDP2 0.401 s 2.25x, DeepSpeed ZeRO-1 1.30x, ZeRO-2 1.13x, "
+              "ZeRO-3 1.49x")
+    print("goals per workload (vs DDP): bench/run_all.py's GOALS (gpt2-tiny zs1-zs2 <= 1.05x, zs3 <= 1.15x; "
+          "gpt2-small-cpu zs1-zs2 <= 1.03x, zs3 <= 1.10x)")
 
 
 def timing_arguments(ap: argparse.ArgumentParser) -> None:
-    """--steps, --warmup and --json, as timed_steps reads them (deepspeed_step.py shares them)."""
+    """--steps, --warmup, --phase-sync, --json and --model, as timed_steps reads them (deepspeed_step.py
+    shares them)."""
     ap.add_argument("--steps", type=int, default=20, help="steps per system, warmup included")
     ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
+    ap.add_argument("--phase-sync", action="store_true",
+                    help="on CUDA, torch.cuda.synchronize() at each phase boundary so each phase holds its own "
+                         "kernels (adds to the step time; default off; nothing to do on the CPU)")
     ap.add_argument("--json", help="also write the figures to this JSON file")
     ap.add_argument("--model", choices=list(WORKLOADS), default="gpt2-tiny", help="the workload (see WORKLOADS)")
 
@@ -216,7 +272,8 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"workload": args.model, "machine": machine, "steps": args.steps, "warmup": args.warmup,
-                           "cache_chunks": args.cache_chunks, "check_order": args.check_order,
+                           "phase_sync": args.phase_sync, "cache_chunks": args.cache_chunks,
+                           "check_order": args.check_order,
                            "reference_losses": WORKLOADS[args.model]["reference_losses"], "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")
     dist.destroy_process_group()

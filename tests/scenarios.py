@@ -333,6 +333,35 @@ def plain_backward_fp16_raises(rank, world):
     return {"raised": None}
 
 
+def _add_reads_after_step():
+    for stage in (1, 2):
+        def fn(rank, world, stage=stage):
+            """Stages 1-2 leave each chunk's all-gather in flight when step() returns. Weights read
+            right after step() (a logging or EMA line, state_dict()) must be the updated ones: rank
+            1 steps late, so rank 0's gathers cannot have finished when it reads."""
+            import time
+            data = batches(3, world, 2)
+            ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
+            engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 4000})
+            in_flight = []
+            for step in data:
+                x = step[0][rank]
+                engine.backward(engine(input_ids=x, labels=x).loss)
+                if rank == 1:
+                    time.sleep(0.5)
+                engine.step()
+                in_flight.append(sum(c.arriving is not None for c in engine.chunks))
+                sums = {n: p.detach().double().sum().item() for n, p in engine.module.named_parameters()}
+            state = engine.module.state_dict()
+            return {"in_flight_after_step": in_flight,
+                    "diff_sums": max(abs(sums[n] - float(ref[n].double().sum())) for n in sums),
+                    "diff_state_dict": max_diff(state, ref)}
+        SCENARIOS[f"reads_right_after_step_stage{stage}"] = fn
+
+
+_add_reads_after_step()
+
+
 @scenario
 def desync_after_a_caught_backward_error(rank, world):
     """Rank 0 raises half-way through a backward (after some chunks were reduced), catches it and
@@ -365,6 +394,43 @@ def desync_after_a_caught_backward_error(rank, world):
             except ValueError:
                 continue  # what a user's try/except around a step does
             engine.step()
+    except DivergedError as e:
+        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
+    else:
+        mine = {"raised": None}
+    return {"ranks": _gather(mine, world)}
+
+
+@scenario
+def desync_after_a_caught_step_error(rank, world):
+    """Rank 0's optimizer step raises after the step's first collective (the clipping norm); it
+    catches the error and trains on, a step behind the others, which went on to the step's
+    all-gathers: every rank must get DivergedError, never a hang."""
+    import time
+    from zeroshard import DivergedError
+    if world == 1:
+        return {"raised": "n/a at world 1"}
+    data = batches(6, world, 2)
+    planted = {"now": False}
+
+    class FailingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            if planted["now"]:
+                raise ValueError("planted failure in the optimizer step")
+            return super().step(closure)
+
+    engine = zeroshard.initialize(tiny_gpt2(), lambda ps: FailingSGD(ps, lr=0.05, momentum=0.9),
+                                  {"stage": 2, "chunk_size": 4000, "clip_grad_norm": 1.0})
+    t0 = time.perf_counter()
+    try:
+        for k, step in enumerate(data):
+            x = step[0][rank]
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            planted["now"] = rank == 0 and k == 2
+            try:
+                engine.step()
+            except ValueError:
+                continue
     except DivergedError as e:
         mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
     else:
@@ -507,7 +573,7 @@ def _auto_caps(world, prec, opt, example):
     """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
     ZeRO-3 offload need on the chunks the planner picks at that cap)."""
     from zeroshard.planner import optimizer_state_bytes
-    from zeroshard.engine import default_device
+    from zeroshard.hardware import default_device
     from zeroshard.hardware import probe
     from zeroshard.planner import FRAGMENTATION, Planner, Target
 

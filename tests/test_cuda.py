@@ -42,11 +42,11 @@ def _diverging_order(rank, world, out):
     torch.cuda.set_device(device)
     init_process_group(device)
     comm = Comm(device)
-    comm.check_order(7)  # agree
-    comm.check_order(8 + rank)  # disagree: noticed without a host sync, raised by verify_order at the latest
-    try:
-        comm.verify_order()
-        comm.verify_order()  # the second waits for the checks of the step before
+    comm.enable_order_checks()
+    full = torch.zeros(4 * world, device=device)
+    comm.all_gather(full, torch.ones(4, device=device), async_op=True, tag=(1, 0)).wait()  # agree
+    try:  # disagree: refused before the NCCL collective is issued, on host tensors (no device sync)
+        comm.all_gather(full, torch.ones(4, device=device), async_op=True, tag=(1, 1 + rank)).wait()
         raised = False
     except DivergedError:
         raised = True

@@ -169,6 +169,19 @@ def test_plain_loss_backward_trains_like_engine_backward(res, stage):
     assert got["diff"] <= 1e-5 and got["micro_steps"] == 8
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_weights_read_right_after_step_are_the_updated_ones(res, stage):
+    """The all-gathers of an update overlap the next forward (waited per chunk at first use);
+    parameters read between step() and that forward (sums of every parameter, state_dict()) wait
+    for their chunk and equal the reference model (SGD+momentum, fp32, within 1e-5 per element;
+    the sums, of up to 32k elements, within 1e-3)."""
+    r, world = res
+    got = ok(r, f"reads_right_after_step_stage{stage}")
+    if world > 1:
+        assert all(n > 0 for n in got["in_flight_after_step"]), got  # the overlap is really there
+    assert got["diff_state_dict"] <= 1e-5 and got["diff_sums"] <= 1e-3, got
+
+
 def test_plain_loss_backward_with_fp16_raises_the_named_error(res):
     r, _ = res
     assert "call engine.backward(loss)" in (ok(r, "plain_backward_fp16_raises")["raised"] or "")
@@ -180,6 +193,19 @@ def test_a_rank_that_carries_on_after_a_failed_backward_gets_diverged_error_ever
     30 s, instead of training out of step and hanging at a later collective."""
     r, world = res
     got = ok(r, "desync_after_a_caught_backward_error")
+    if world == 1:
+        assert got["raised"] == "n/a at world 1"
+        return
+    assert [g["raised"] for g in got["ranks"]] == ["DivergedError"] * world, got
+    assert max(g["seconds"] for g in got["ranks"]) < 30
+
+
+def test_a_rank_that_carries_on_after_a_failed_step_gets_diverged_error_everywhere(res):
+    """Rank 0's optimizer step raises after the step's first collective; it goes on a step behind
+    the others: every rank raises DivergedError within 30 s (every collective on the group,
+    the step's own included, is compared first)."""
+    r, world = res
+    got = ok(r, "desync_after_a_caught_step_error")
     if world == 1:
         assert got["raised"] == "n/a at world 1"
         return

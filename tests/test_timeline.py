@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.engine import default_device
+from zeroshard.hardware import default_device
 from zeroshard.reducer import MAX_REDUCING
 from zeroshard.profiler import measure
 from zeroshard.timeline import plot

@@ -116,7 +116,7 @@ def test_cache_belady_keeps_chunk_needed_soonest():
     seq = [0, 1, 2, 0, 2, 1, 0]
     comm = Comm(torch.device("cpu"))
     chunks = {i: _FakeChunk(i) for i in range(3)}
-    cache = ChunkCache(comm, capacity=2, prefetch=False, check_order=False)
+    cache = ChunkCache(comm, capacity=2, prefetch=False)
     cache.set_chunks(list(chunks.values()))
     cache.recording = True
     _use(cache, chunks, seq)  # LRU while recording
@@ -133,7 +133,7 @@ def test_cache_belady_keeps_chunk_needed_soonest():
 def test_cache_prefetches_next_recorded_chunk_and_never_evicts_pinned():
     comm = Comm(torch.device("cpu"))
     chunks = {i: _FakeChunk(i) for i in range(3)}
-    cache = ChunkCache(comm, capacity=2, prefetch=True, check_order=False)
+    cache = ChunkCache(comm, capacity=2, prefetch=True)
     cache.set_chunks(list(chunks.values()))
     cache.recording = True
     _use(cache, chunks, [0, 1, 2])

@@ -23,17 +23,15 @@ import logging
 from collections import OrderedDict
 
 from .chunks import Chunk, ChunkState
-from .collectives import GATHER, order_tag
 
 log = logging.getLogger("zeroshard")
 
 
 class ChunkCache:
-    def __init__(self, comm, capacity: int | None, prefetch: bool, check_order: bool):
+    def __init__(self, comm, capacity: int | None, prefetch: bool):
         self.comm = comm
         self.capacity = capacity
         self.prefetch_enabled = prefetch
-        self.check_order = check_order
         self.cached: OrderedDict[int, Chunk] = OrderedDict()  # gathered or gathering, LRU first
         self.pins: dict[int, int] = {}
         self.recording = False
@@ -116,8 +114,6 @@ class ChunkCache:
         self._start_gather(chunk)
 
     def _start_gather(self, chunk: Chunk) -> None:
-        if self.check_order:
-            self.comm.check_order(order_tag(GATHER, chunk.index))
         chunk.start_gather(self.comm)
         self.cached[chunk.index] = chunk
         self._bytes += chunk.full_bytes

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .optimizer import probe_state
+from .ordering import CHECKPOINT
 
 log = logging.getLogger("zeroshard")
 
@@ -441,8 +442,29 @@ def _save_state(engine) -> dict:
     return out
 
 
+def _quiesce(engine) -> None:
+    """Before reading or writing states: every rank is here (else DivergedError everywhere) and the
+    last update is in."""
+    engine.comm.agree(CHECKPOINT)
+    engine.apply_delayed_update()
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """See Engine.full_state_dict: the model's own state_dict keys, full fp32 parameter values and
+    buffers as they are, on the CPU (a collective)."""
+    _quiesce(engine)
+    full = engine.layout.full_values()
+    return {key: (full[id(obj)] if id(obj) in full else engine.module.get_buffer(key)).detach().cpu().clone()
+            for key, obj in engine.state_keys}
+
+
 def save(engine, root, tag: str | None = None, client_state: dict | None = None) -> str:
-    """See Engine.save_checkpoint."""
+    """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
+    states, the config and `client_state` (rank 0's; any picklable dict, e.g. the data position) as
+    checkpoint `tag` (default `step<N>`) in directory `root`, every rank writing its own shards; then
+    points root/latest at it. Any world size, stage, chunk size or offload setting can load it;
+    `zeroshard export` turns it into one safetensors file."""
+    _quiesce(engine)
     comm = engine.comm
     if engine.grads_pending:
         raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
@@ -520,8 +542,11 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> 
 
 # -- load ------------------------------------------------------------------------------------------
 def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
-    """See Engine.load_checkpoint. Everything that can refuse the checkpoint runs before anything in
+    """See Engine.load_checkpoint. `path` is a root (its `latest`, or `tag`) or a checkpoint
+    directory. load_optimizer=False loads the model (and buffers, counters, RNG) and clears the
+    optimizer's state. Everything that can refuse the checkpoint runs before anything in
     the engine changes: files, model, optimizer compatibility, agreement of scalar states."""
+    _quiesce(engine)
     comm = engine.comm
     t0 = time.perf_counter()
     found = error = None

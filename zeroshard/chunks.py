@@ -15,6 +15,10 @@ Vocabulary (used in names, logs and errors throughout zeroshard):
 
 - placement: whether the master + optimizer states, and (stage 3) the shard, live on the host
   (offload.py); with the optimizer on the host the reduced gradient is moved there too.
+- arriving: an update on its way into a chunk, not waited for yet (stages 1-2: its all-gather after
+  a step; with the delayed update: the upload into its shard); the chunk's first use waits for it.
+- tag: what a collective is (kind, chunk index, micro-batch), compared across ranks before it is
+  issued, so that ranks whose call order diverged raise DivergedError (ordering.py).
 
 Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
 Gradient states within one backward pass: ACCUMULATING -> REDUCING (a reduction in flight) ->
@@ -32,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .offload import Pending, Placement, Transfer
+from .ordering import GATHER, REDUCE
 
 ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
 
@@ -179,10 +184,11 @@ class Chunk:
         # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
         self.host_grad = None
         self.grad_in_flight = None
-        # The delayed update's upload into the shard, not yet waited for by the compute stream: the
-        # first use of the chunk (its module's forward, its stage-3 gather) waits for it, so the
-        # uploads overlap the forward instead of holding back its start.
-        self.arriving: Pending | None = None
+        # An update on its way into this chunk, not yet waited for: the all-gather of an update
+        # (stages 1-2), or the delayed update's upload into the shard. The chunk's first use (its
+        # module's forward, its stage-3 gather) waits for it, so it overlaps the forward instead of
+        # holding back its start.
+        self.arriving = None  # anything with wait(): a collective's work, a Pending copy
         if stage != 3:
             self.bind_params()
 
@@ -203,7 +209,7 @@ class Chunk:
             s.param.data = empty
 
     def await_arrival(self) -> None:
-        """Order the compute stream after the upload into this chunk's shard, if one is pending."""
+        """Wait for the update arriving into this chunk, if any (on the device where it can)."""
         if self.arriving is not None:
             self.arriving.wait()
             self.arriving = None
@@ -218,7 +224,7 @@ class Chunk:
         if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
             lo, hi = self.shard_range
             shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
-        self.gather_work = comm.all_gather(self.full, shard, async_op=True)
+        self.gather_work = comm.all_gather(self.full, shard, async_op=True, tag=(GATHER, self.index))
         self.state = ChunkState.GATHERING
 
     def finish_gather(self) -> None:
@@ -253,9 +259,9 @@ class Chunk:
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
         if self.stage == 0:
-            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True)
+            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
         else:
-            self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True)
+            self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
 
     def stash_reduced(self) -> None:
         """A gradient arrived after this chunk's reduction started (reentrant checkpointing that

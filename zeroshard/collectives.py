@@ -8,18 +8,20 @@ Every collective zeroshard issues goes through `Comm`, which
   code path as world size N;
 - runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
   through host copies, so the engine's code is the same whatever the backend;
-- optionally checks, before a collective issued from a module hook, that every rank is about to
-  issue the same one (see `check_order`), so a divergent call order raises instead of hanging.
+- with order checks on (ordering.py), issues each collective a module hook drives only after every
+  rank handed over the same tag, so a divergent call order raises DivergedError instead of hanging.
 """
 from __future__ import annotations
 
-import collections
 import datetime
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
+
+from .ordering import (OTHER, DivergedError, OrderCheck, Sequencer, check_group,  # noqa: F401 (DivergedError:
+                       has_check_group, order_tag)  # public here)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
@@ -28,25 +30,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 TIMEOUT = datetime.timedelta(minutes=10)  # how long a collective waits for the other ranks
-
-# Order-check tags, for the collectives that module hooks drive: (pass << 40) | (kind << 32) | chunk
-# index, the pass being the rank's count of forward-backward passes (micro-batches) mod 2^20, so that
-# ranks a micro-batch or a step apart disagree at their first check.
-GATHER, REDUCE = 1, 2
-
-
-def order_tag(kind: int, chunk_index: int) -> int:
-    return kind << 32 | chunk_index
-
-
-def describe_tag(tag: int) -> str:
-    n, kind, index = tag >> 40, (tag >> 32) & 0xFF, tag & 0xFFFFFFFF
-    what = {GATHER: "gather", REDUCE: "reduce the gradients of"}.get(kind, f"op {kind} on")
-    return f"{what} chunk {index} in micro-batch {n}"
-
-
-class DivergedError(RuntimeError):
-    """Ranks were about to issue different collectives: their call order diverged."""
 
 
 def ranks_per_node() -> int:
@@ -104,20 +87,74 @@ class Comm:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.elements = 0  # payload volume since the last reset, counted as the ZeRO paper does
-        self.control_collectives = 0  # small collectives: order checks, overflow flags, norms
+        self.control_collectives = 0  # small collectives on the group: overflow flags, norms
         self.counting = True
-        self._order_check_buf = None
-        self._pending_checks = collections.deque()  # (tag, pinned answer, event, step epoch): NCCL only
-        self._order_epoch = 0
-        self.pass_index = 0  # forward-backward passes this rank has run: part of every order check
+        self.sequencer: Sequencer | None = None  # with order checks on (enable_order_checks)
+        self.pass_index = 0  # forward-backward passes this rank has run: part of every order tag
         # gloo carries CUDA tensors through host copies (see init_process_group)
         self.staged = (self.distributed and device.type == "cuda"
                        and dist.get_backend(group) == dist.Backend.GLOO)
         self.control_device = torch.device("cpu") if self.staged else device
 
+    def enable_order_checks(self) -> None:
+        """Collective, at set-up: from now on a collective given a `tag` is issued only once every
+        rank has handed over the same tag (ordering.py)."""
+        if self.world > 1 and self.sequencer is None:
+            ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
+            # A new check group on every rank if any rank lacks one (after a divergence, only the
+            # ranks that saw it know that the old one holds unpaired comparisons).
+            renew = torch.tensor([0.0 if has_check_group(self.group) else 1.0], device=self.control_device)
+            self.control_all_reduce(renew, dist.ReduceOp.MAX)
+            self.sequencer = Sequencer(OrderCheck(check_group(self.group, ranks, renew=bool(renew.item())), self.rank),
+                                       inline=self.device.type == "cuda")
+
+    def progress(self) -> None:
+        """Issue the tagged collectives whose order check has come back (cheap; hooks call it)."""
+        if self.sequencer is not None:
+            self.sequencer.progress()
+
+    def agree(self, kind: int) -> None:
+        """With order checks on: raise DivergedError on every rank unless every rank is entering
+        the same phase (ordering.STEP, CHECKPOINT) at the same micro-batch count."""
+        if self.sequencer is not None:
+            self.sequencer.agree(order_tag(kind, 0, self.pass_index))
+
+    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool):
+        """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
+        every rank handed over the same tag; an untagged blocking one after comparing a tag of its
+        own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
+        over, its caller having compared a tag for the batch (ordering.PUBLISH)."""
+        if self.sequencer is None:
+            work = collective()
+        elif tag is not None:
+            work = self.sequencer.submit(order_tag(*tag, self.pass_index), collective)
+        elif async_op:
+            self.sequencer.drain()
+            work = collective()
+        else:
+            self._agree_here()
+            work = collective()
+        if async_op:
+            return work
+        if work is not None:
+            work.wait()
+        return None
+
+    def _agree_here(self) -> None:
+        """Before an untagged blocking collective (a norm, a flag, objects)."""
+        if self.sequencer is not None:
+            self.sequencer.agree(order_tag(OTHER, 0, self.pass_index))
+
+    @property
+    def order_checks(self) -> int:
+        """Tag comparisons since the last reset_counters (ordering.py)."""
+        return 0 if self.sequencer is None else self.sequencer.check.comparisons
+
     def reset_counters(self) -> None:
         self.elements = 0
         self.control_collectives = 0
+        if self.sequencer is not None:
+            self.sequencer.check.comparisons = 0
 
     def side_channel(self) -> "Comm":
         """Collective, at set-up: a Comm over a new gloo group of the same ranks, for host tensors,
@@ -133,27 +170,25 @@ class Comm:
         if self.counting and self.world > 1:
             self.elements += n
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """full[r*s:(r+1)*s] <- shard of rank r, for every r. Counts len(full)."""
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False,
+                   tag: tuple[int, int] | None = None):
+        """full[r*s:(r+1)*s] <- shard of rank r, for every r. Counts len(full). `tag`: (kind,
+        chunk index) for the order check, on a collective a module hook drives."""
         self._count(full.numel())
         if self.world == 1:
             if full.data_ptr() != shard.data_ptr():
                 full.copy_(shard)
             return None
         if self.staged:
-            host = torch.empty(full.shape, dtype=full.dtype)
-            work = _all_gather_single(host, shard.cpu(), group=self.group, async_op=True)
-            return self._finish(_Staged(work, host, full), async_op)
-        return _all_gather_single(full, shard, group=self.group, async_op=async_op)
+            def collective():
+                host = torch.empty(full.shape, dtype=full.dtype)
+                return _Staged(_all_gather_single(host, shard.cpu(), group=self.group, async_op=True), host, full)
+        else:
+            def collective():
+                return _all_gather_single(full, shard, group=self.group, async_op=True)
+        return self._issue(tag, collective, async_op)
 
-    @staticmethod
-    def _finish(staged: _Staged, async_op: bool):
-        if async_op:
-            return staged
-        staged.wait()
-        return None
-
-    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False):
+    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
         (NCCL and gloo both accept an output that is the input's own slot.)"""
         self._count(full.numel())
@@ -162,32 +197,41 @@ class Comm:
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
         if self.staged:
-            host = full.cpu()
-            host_shard = host[self.rank * s:(self.rank + 1) * s]
-            work = _reduce_scatter_single(host_shard, host, group=self.group, async_op=True)
-            return self._finish(_Staged(work, host_shard, shard), async_op)
-        return _reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
+            def collective():
+                host = full.cpu()
+                host_shard = host[self.rank * s:(self.rank + 1) * s]
+                return _Staged(_reduce_scatter_single(host_shard, host, group=self.group, async_op=True),
+                               host_shard, shard)
+        else:
+            def collective():
+                return _reduce_scatter_single(shard, full, group=self.group, async_op=True)
+        return self._issue(tag, collective, async_op)
 
-    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False):
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """t <- sum over ranks of t, in place. Counts 2*len(t)."""
         self._count(2 * t.numel())
         if self.world == 1:
             return None
         if self.staged:
-            host = t.cpu()
-            return self._finish(_Staged(dist.all_reduce(host, group=self.group, async_op=True), host, t), async_op)
-        return dist.all_reduce(t, group=self.group, async_op=async_op)
+            def collective():
+                host = t.cpu()
+                return _Staged(dist.all_reduce(host, group=self.group, async_op=True), host, t)
+        else:
+            def collective():
+                return dist.all_reduce(t, group=self.group, async_op=True)
+        return self._issue(tag, collective, async_op)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Uncounted: used only at set-up, outside any step."""
         if self.world > 1:
             src = dist.get_global_rank(self.group, src) if self.group else src
-            self._in_place(t, lambda x: dist.broadcast(x, src=src, group=self.group))
+            self._in_place(t, lambda x: dist.broadcast(x, src=src, group=self.group, async_op=True))
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s picklable `obj`, on every rank (set-up and checkpoints, not steps)."""
         if self.world == 1:
             return obj
+        self._agree_here()
         box = [obj]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
                                    group=self.group)
@@ -197,6 +241,7 @@ class Comm:
         """Every rank's picklable `obj`, in rank order, on every rank."""
         if self.world == 1:
             return [obj]
+        self._agree_here()
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -205,72 +250,16 @@ class Comm:
         """A small all-reduce that carries no model data (overflow flag, squared norm)."""
         if self.world > 1:
             self.control_collectives += 1
-            self._in_place(t, lambda x: dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group))
+            self._in_place(t, lambda x: dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group,
+                                                         async_op=True))
         return t
 
     def _in_place(self, t: torch.Tensor, collective) -> None:
-        """A blocking in-place `collective(tensor)` on t, through a host copy where the group is staged."""
-        host = t.cpu() if self.staged else t
-        collective(host)
-        if host is not t:
-            t.copy_(host)
-
-    def check_order(self, tag: int) -> None:
-        """Raise DivergedError on every rank unless every rank passes the same `tag` (see order_tag).
-
-        Each rank contributes (tag, -tag) to a MAX all-reduce: the ranks agree iff max == min.
-        On NCCL the answer is read without making the host wait for the GPU (which would serialise
-        the overlap stage 3 relies on): it is copied to pinned memory behind the collective and
-        compared once that copy is done (polled at each later check), at the latest at the end of
-        the next step (`verify_order`)."""
-        if self.world == 1:
-            return
-        tag |= (self.pass_index & 0xFFFFF) << 40
-        self.control_collectives += 1
-        if self.device.type == "cuda" and not self.staged:
-            self._check_order_later(tag)
-            return
-        if self._order_check_buf is None:
-            self._order_check_buf = torch.empty(2, dtype=torch.int64, device=self.control_device)
-        buf = self._order_check_buf
-        buf[0], buf[1] = tag, -tag
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-        self._compare(tag, int(buf[0]), -int(buf[1]))
-
-    def _check_order_later(self, tag: int) -> None:
-        dev = torch.empty(2, dtype=torch.int64, device=self.device)
-        dev[0].fill_(tag)
-        dev[1].fill_(-tag)
-        dist.all_reduce(dev, op=dist.ReduceOp.MAX, group=self.group)
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        host.copy_(dev, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending_checks.append((tag, host, done, self._order_epoch))
-        self.verify_order(block=False)
-
-    def verify_order(self, block: bool = True) -> None:
-        """Compare the order checks whose answers have arrived; with `block`, wait for those issued
-        before the current step (the engine calls this at the end of each step, when they are long
-        done) and move on to the next step."""
-        while self._pending_checks:
-            tag, host, done, epoch = self._pending_checks[0]
-            if not done.query():
-                if not (block and epoch < self._order_epoch):
-                    break
-                done.synchronize()
-            self._pending_checks.popleft()
-            self._compare(tag, int(host[0]), -int(host[1]))
-        if block:
-            self._order_epoch += 1
-
-    def _compare(self, tag: int, hi: int, lo: int) -> None:
-        if hi != lo:
-            self._pending_checks.clear()
-            raise DivergedError(
-                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but another "
-                f"rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must call the same "
-                "modules in the same order, and run the same micro-batches (a rank that caught an "
-                "exception inside forward or backward and carried on is out of step with the others; "
-                "data-dependent control flow that differs between ranks is not supported at this stage)."
-            )
+        """A blocking in-place `collective(tensor)` (async, returns its work) on t, through a host
+        copy where the group is staged."""
+        def run():
+            if not self.staged:
+                return collective(t)
+            host = t.cpu()
+            return _Staged(collective(host), host, t)
+        self._issue(None, run, async_op=False)

@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -31,9 +33,10 @@ class Config:
         so the capacity is raised to the largest parameter if needed.
     cache_chunks: how many gathered chunks stage 3 may hold at once (the rCache); None = unlimited.
     prefetch: stage 3 gathers the next chunk of the recorded order ahead of its use.
-    check_order: before every collective issued from a module hook, ranks compare what they are
-        about to do, so ranks whose call order diverges get an error instead of a hang or wrong data.
-        Costs one tiny collective per chunk operation.
+    check_order: before every collective a module hook drives, and at each step, ranks compare what
+        they are about to do, so ranks whose call order diverges, or that are a micro-batch or a step
+        apart, get DivergedError instead of a hang or wrong data (ordering.py). The comparisons run
+        in a thread of their own (host tensors) or as host round trips (CUDA): off the compute path.
     initial_loss_scale / loss_scale_window: fp16 dynamic loss scaling: the starting scale, and how
         many overflow-free steps before the scale doubles. Each overflow halves it.
     offload_optimizer: ZeRO-Offload (stages 1-3): every chunk's fp32 master and optimizer states
@@ -74,6 +77,11 @@ class Config:
     delay_update_after: int | None = None
     offload: bool | str = False
     device_memory: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype `precision` names."""
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
 
     @property
     def planned(self) -> bool:

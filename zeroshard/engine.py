@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import os
 import weakref
 
 import torch
@@ -23,9 +22,11 @@ from .cache import ChunkCache
 from .chunks import Chunk, auto_chunk_size
 from .collectives import Comm, init_process_group
 from .config import Config
-from .hooks import ArrivalHooks, Stage3Hooks, direct_params
-from .layout import ChunkLayout
+from .hardware import default_device
+from .hooks import ArrivalHooks, Stage3Hooks, direct_params, weak_method
+from .layout import ChunkLayout, list_parameters, resolve_state
 from .offload import Placement, Transfer
+from .ordering import STEP
 from .optimizer import LossScaler, ShardedOptimizer, default_optimizer
 from .planner import plan_for, profiled_sequence
 from .reducer import GradientReducer
@@ -35,36 +36,15 @@ from .timeline import MemoryTimeline
 
 log = logging.getLogger("zeroshard")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class TrainingPhase(enum.Enum):
     """Where the engine is in a training step: each entry point checks it, so a call out of order
-    (a step inside backward, a forward after an interrupted backward) raises instead of corrupting
-    gradients."""
+    (a step inside backward, a forward after an interrupted backward) raises."""
 
     IDLE = "idle"  # between calls
     FORWARD = "forward"  # inside engine(...)
     BACKWARD = "backward"  # from engine.backward (or the first gradient of loss.backward()) to its end
     STEP = "step"  # inside engine.step()
-
-
-def _weak_method(method):
-    """A function that calls `method` while its object lives, without keeping the object alive."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        m = ref()
-        if m is not None:
-            m(*args)
-    return call
-
-
-def default_device() -> torch.device:
-    """cuda:LOCAL_RANK with CUDA (ranks beyond the GPU count wrap around and share), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 class Engine:
@@ -80,19 +60,14 @@ class Engine:
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
         if config.planned:
-            if example_inputs is None:
-                raise ValueError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
-                                 "example_inputs=... to zeroshard.initialize (one micro-batch as the model is "
-                                 "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
-            self.plan, self.profile = plan_for(module, example_inputs, make_opt, config, DTYPES[config.precision],
-                                               self.device, self.comm)
+            self.plan, self.profile = plan_for(module, example_inputs, make_opt, config, self.device, self.comm)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
         self.config = config
         self.placement = Placement(optimizer_on_host=config.offload_optimizer,
                                    params_on_host=config.offload_params)
         self.module = module
-        self.dtype = DTYPES[config.precision]
+        self.dtype = config.dtype
         self.stage = config.stage
         self.phase = TrainingPhase.IDLE
         self.micro_steps = 0
@@ -101,39 +76,31 @@ class Engine:
         self._stats = {}
         self.timeline = None  # a MemoryTimeline while record_memory() is on
 
-        # Parameters, deduplicated (tied weights are one parameter), with their first name.
-        self.params: list[nn.Parameter] = []
-        self.names: dict[int, str] = {}
-        for name, p in module.named_parameters():
-            self.names[id(p)] = name
-            self.params.append(p)
-        if not self.params:
-            raise ValueError("zeroshard: the model has no parameters")
+        self.params, self.names = list_parameters(module)
         self.shapes = {id(p): p.shape for p in self.params}
-        # Keys of the model's own state_dict with their objects, resolved now, before stage 3 swaps
-        # parameter slots (checkpoints and full_state_dict name things by them).
-        self.state_keys = [(k, v) for k, v in module.state_dict(keep_vars=True).items()]
-        for b_name, b in module.named_buffers():
-            module.get_submodule(b_name.rpartition(".")[0])._buffers[b_name.rpartition(".")[2]] = b.to(self.device)
+        self.state_keys = resolve_state(module, self.device)
 
         numels = [p.numel() for p in self.params]
         cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
+        # The config's placement, or the plan's for each chunk.
+        placement_of = (lambda i: self.placement) if self.plan is None else (lambda i: self.plan.placement(i, self.stage))
         self.layout = ChunkLayout(self.names, self.shapes, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                   device=self.device, transfer=self.transfer, capacity=max(cap, max(numels)),
-                                  placement_of=self._placement_of)
-        self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch, config.check_order)
-        self.reducer = GradientReducer(self.comm, self.stage, config.check_order)
+                                  placement_of=placement_of)
+        self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch)
+        self.reducer = GradientReducer(self.comm, self.stage)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) \
             if config.precision == "fp16" else None
-        if make_opt is None:
-            host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
-            make_opt = default_optimizer(host=host)
+        host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
+        make_opt = make_opt or default_optimizer(host=host)
         delayed = config.delay_update_after is not None
         self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                       delay_after=config.delay_update_after,
                                       side_comm=self.comm.side_channel() if delayed else None)
+        if config.check_order:
+            self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
         self.layout.build(order, [p.detach() for p in order], broadcast=True)
         self.cache.set_chunks(self.chunks)
@@ -144,10 +111,11 @@ class Engine:
             self.hooks = Stage3Hooks(module, self.cache, self.layout.chunks_of, self.names, self.shapes, self.dtype)
             real = self.hooks.real
             self.layout.real_params = lambda m: real[m] if m in real else direct_params(m)
-        self._arrivals = ArrivalHooks(module, self.layout.chunks_of) if delayed and self.stage in (1, 2) else None
-        # Through a weak reference: autograd keeps the hook in C++, where the garbage collector cannot
-        # see the cycle parameter -> hook -> engine -> module -> parameter, so a dropped engine would stay.
-        grad_arrived = _weak_method(self._grad_arrived)
+        self._arrivals = ArrivalHooks(module, self.layout.chunks_of) \
+            if self.stage in (1, 2) and (self.comm.world > 1 or delayed) else None
+        if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
+            weakref.finalize(self, self._arrivals.settle)
+        grad_arrived = weak_method(self._grad_arrived)  # a dropped engine must not live on in autograd
         for p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(grad_arrived)
@@ -163,18 +131,9 @@ class Engine:
             self.cache.set_schedule(profiled_sequence(self.profile, self.module, self.layout.chunks_of))
             log.info("zeroshard: %s", self.plan.describe())
 
-    # -- chunks ---------------------------------------------------------------------------------
     @property
     def chunks(self) -> list[Chunk]:
         return self.layout.chunks
-
-    def _placement_of(self, index: int) -> Placement:
-        """The config's placement, or the plan's for this chunk (a chunk the plan did not foresee,
-        after a re-pack, keeps everything on the device)."""
-        if self.plan is None:
-            return self.placement
-        on_host = index < len(self.plan.optimizer_on_host) and self.plan.optimizer_on_host[index]
-        return Placement(optimizer_on_host=on_host, params_on_host=on_host and self.stage == 3)
 
     # -- training API -----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -186,12 +145,11 @@ class Engine:
         self.comm.pass_index = self.micro_steps
         self.phase = TrainingPhase.FORWARD
         try:
-            return self._forward(args, kwargs)
+            return self._forward(*self._to_device((args, kwargs)))
         finally:
             self.phase = TrainingPhase.IDLE
 
     def _forward(self, args, kwargs):
-        args, kwargs = self._to_device((args, kwargs))
         recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
         self._micro_layout_final = self.layout.final
         if self.hooks is not None:
@@ -203,33 +161,26 @@ class Engine:
                 out = self.module(*args, **kwargs)
         else:
             out = self.module(*args, **kwargs)
-        if recording:
-            self._finish_recording()
+        if recording:  # re-pack in order of first use (unused parameters last)
+            used = self.layout.recorder.order
+            seen = {id(p) for p in used}
+            self.fix_layout(used + [p for p in self.params if id(p) not in seen])
         if tracking:
             self.timeline.sample("forward")
-        self.optim.await_arrivals()  # a delayed update's uploads into chunks this forward did not run
+        self._settle()  # chunks this forward did not use
         return out
 
     forward = __call__
 
-    def _finish_recording(self) -> None:
-        used = self.layout.recorder.order
-        seen = {id(p) for p in used}
-        self.fix_layout(used + [p for p in self.params if id(p) not in seen])
-
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
-        """Make the chunk layout final now: re-pack the chunks in `order` (parameters in order of
-        first use) if that differs from the current packing, then stop recording first use.
-        Re-packing needs an optimizer with one group and no state (RuntimeError otherwise). No-op
-        once the layout is final (`engine.layout.final`)."""
+        """Make the chunk layout final (`engine.layout.final`): re-pack the chunks in `order` if that
+        differs, then stop recording first use. Re-packing needs an optimizer with one group and no
+        state (RuntimeError otherwise)."""
         if self.layout.final:
             return
         if order is not None and self.layout.differs(order):
-            log.info("zeroshard: re-packing %d chunks in order of first use", len(self.chunks))
-            full = self.layout.full_values()
             self.cache.flush()
-            self.layout.release_gathered()
-            self.layout.build(order, [full[id(p)] for p in order], broadcast=False)
+            self.layout.repack(order)
             self.cache.set_chunks(self.chunks)
             self.optim.attach(self.chunks)
         self.layout.finalize()
@@ -237,11 +188,8 @@ class Engine:
     def _to_device(self, tree):
         """Inputs onto the device, floating ones in the compute dtype, through any container torch's
         pytree knows (tuples, namedtuples, lists, dicts, ...)."""
-        def move(x):
-            if x.is_floating_point() and x.dtype != self.dtype:
-                x = x.to(self.dtype)
-            return x.to(self.device, non_blocking=True)
-        return tree_map_only(torch.Tensor, move, tree)
+        cast = lambda x: x.to(self.dtype) if x.is_floating_point() else x  # noqa: E731
+        return tree_map_only(torch.Tensor, lambda x: cast(x).to(self.device, non_blocking=True), tree)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (the mean loss of this rank's micro-batch). `loss.backward()` does the
@@ -301,6 +249,7 @@ class Engine:
     def _grad_arrived(self, p: nn.Parameter) -> None:
         if self.phase is not TrainingPhase.BACKWARD:
             self._begin_backward(by_autograd=True)
+        self.comm.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
         self.reducer.add(chunk, slot, p.grad)
         p.grad = None
@@ -317,18 +266,19 @@ class Engine:
             raise RuntimeError(f"zeroshard: step() called while the engine is in {self.phase.value}")
         if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps:
             return False
+        self.comm.agree(STEP)  # a rank a micro-batch or a step apart raises here or in its peers' hooks
+        self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
         try:
             applied = self.optim.step()
-        except BaseException:  # nothing of a failed step's gradients carries into the next step
-            self._zero_grads()
-            raise
-        finally:
+        finally:  # nothing of a step's gradients, failed or not, carries into the next one
             self.phase = TrainingPhase.IDLE
-        self.comm.verify_order()
-        self._zero_grads()
+            self.optim.zero_grads()
+            self.grads_pending = False
         if self.stage == 3:
             self.cache.flush()
+        if self._arrivals is not None:
+            self._arrivals.arm(self.chunks)
         self.steps += int(applied)
         self._stats = step_stats(self, applied)
         if self.timeline is not None:
@@ -336,21 +286,19 @@ class Engine:
         return applied
 
     def apply_delayed_update(self) -> None:
-        """With `delay_update_after`: wait for the update in flight and apply it, so the parameters
-        are the optimizer's latest (the next step then starts a new delay). Saving a checkpoint or a
-        state dict does this first; call it before evaluating or exporting the model by other means
-        if the last update must be in. A no-op otherwise."""
+        """With `delay_update_after`: apply the update in flight now (checkpoints and state dicts do
+        this first; call it before evaluating or exporting the model by other means)."""
         self.optim.land()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for every chunk still arriving (ArrivalHooks)."""
+        if self._arrivals is not None:
+            self._arrivals.settle()
         self.optim.await_arrivals()
 
     def zero_grad(self) -> None:
         """Gradients are cleared by step(); kept for familiarity."""
-
-    def _zero_grads(self) -> None:
-        self.grads_pending = False
-        for c in self.chunks:
-            if c.trainable:
-                c.zero_grad()
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -367,44 +315,26 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
         values (and buffers as they are), on the CPU."""
-        self.apply_delayed_update()
-        full = self.layout.full_values()
-        out = {}
-        for key, obj in self.state_keys:
-            if id(obj) in full:
-                out[key] = full[id(obj)].detach().cpu().clone()
-            else:
-                out[key] = self.module.get_buffer(key).detach().cpu().clone()
-        return out
+        from .checkpoint import full_state_dict
+        return full_state_dict(self)
 
     def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None) -> str:
-        """Collective: save model, optimizer states, loss scale, step counters, RNG states, the config
-        and `client_state` (rank 0's; any picklable dict, e.g. the data position) as checkpoint `tag` (default
-        `step<N>`) in directory `root`, every rank writing its own shards; then point root/latest at
-        it. Atomic: a crash leaves `latest` naming the previous checkpoint, complete. Call it after
-        step(), not between the micro-batches of an accumulation window. Returns the checkpoint's
-        directory. Any world size, stage, chunk size or offload setting can load it
-        (`load_checkpoint`); `zeroshard export` turns it into one safetensors file."""
+        """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),
+        as checkpoint `tag` (default `step<N>`) in directory `root`, atomically (checkpoint.py). Call
+        it after step(). Returns the checkpoint's directory."""
         from .checkpoint import save
-        self.apply_delayed_update()
         return save(self, root, tag, client_state)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
-        """Collective: load a checkpoint into this engine: `path` is a root (its `latest`, or `tag`)
-        or a checkpoint directory. Checks every file's size and checksum and that the checkpoint is of
-        this model before changing anything (CheckpointError naming the damaged files or the
-        mismatched parameters otherwise), and that its optimizer state is this optimizer's.
-        load_optimizer=False loads the model (and buffers, counters, RNG) and starts the optimizer
-        afresh: its state is cleared. Returns the saved `client_state` ({} if none)."""
+        """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
+        checking its files, model and optimizer (CheckpointError before anything changes otherwise).
+        Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
-        self.apply_delayed_update()
         return load(self, path, tag, load_optimizer)
 
     def record_memory(self, steps: int | None = 1) -> MemoryTimeline:
-        """Record this rank's memory (model states on device and host, rCache, gradient buffers,
-        activations; bytes) over the next `steps` optimizer steps (None: until `.stop()`), sampled
-        after each module's forward, each gradient's arrival and each phase. Returns the timeline,
-        also at `engine.timeline`; `.plot(path)` saves a PNG, `.samples` holds the figures."""
+        """Record this rank's memory (bytes, by kind: timeline.py) over the next `steps` optimizer
+        steps (None: until `.stop()`). Returns the timeline, also at `engine.timeline`."""
         if self.timeline is not None:
             self.timeline.stop()
         self.timeline = MemoryTimeline(self, steps)
@@ -415,6 +345,5 @@ class Engine:
         return model_state_bytes(self.chunks, self.optim)
 
     def stats(self) -> dict:
-        """Figures of the last optimizer step, key by key in stats.py: communication volume, model
-        state bytes (by kind and by device), host-device transfers, rCache peaks, loss scale, norm."""
+        """Figures of the last optimizer step, key by key in stats.py."""
         return dict(self._stats)

@@ -25,6 +25,13 @@ GIB = 2**30
 CUDA_RESERVE = 2 * GIB  # bytes per GPU the CUDA context, cuBLAS/NCCL workspaces and the allocator keep
 
 
+def default_device() -> torch.device:
+    """cuda:LOCAL_RANK with CUDA (ranks beyond the GPU count wrap around and share), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 @dataclass(frozen=True)
 class Hardware:
     """One device (GPU, or the CPU standing in for it) and the host it hangs off.

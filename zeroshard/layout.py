@@ -8,6 +8,7 @@ checkpoint gave the order) the layout is *final*: chunks never move again.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -17,6 +18,28 @@ from .chunks import Chunk, ChunkState, Slot, pack
 from .collectives import Comm
 from .hooks import FirstUseRecorder, direct_params
 from .offload import Placement, Transfer
+
+log = logging.getLogger("zeroshard")
+
+
+def list_parameters(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, str]]:
+    """The module's parameters, deduplicated (tied weights are one parameter), with their first name."""
+    params, names = [], {}
+    for name, p in module.named_parameters():
+        names[id(p)] = name
+        params.append(p)
+    if not params:
+        raise ValueError("zeroshard: the model has no parameters")
+    return params, names
+
+
+def resolve_state(module: nn.Module, device: torch.device) -> list[tuple[str, object]]:
+    """The keys of the module's own state_dict with their objects, resolved now, before stage 3
+    swaps parameter slots (checkpoints name things by them); buffers are moved onto `device`."""
+    for name, b in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = b.to(device)
+    return list(module.state_dict(keep_vars=True).items())
 
 
 class ChunkLayout:
@@ -56,6 +79,15 @@ class ChunkLayout:
                 for s in slots:
                     self.slot_of[id(s.param)] = (c, s)
         self.chunks = chunks
+
+    def repack(self, order: list[nn.Parameter]) -> None:
+        """Collective: pack the parameters anew in `order`, values kept. The chunks are new objects:
+        whoever holds the old ones (the rCache, the optimizer) must have let them go and be given
+        these."""
+        log.info("zeroshard: re-packing %d chunks in order of first use", len(self.chunks))
+        full = self.full_values()
+        self.release_gathered()
+        self.build(order, [full[id(p)] for p in order], broadcast=False)
 
     def differs(self, order: list[nn.Parameter]) -> bool:
         """Whether packing `order` would change the layout (trainable parameters pack first)."""

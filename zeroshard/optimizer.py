@@ -7,8 +7,9 @@ One step, in order:
 2. fp16: if any rank's gradient is not finite, every rank skips the step and halves the loss scale.
 3. Clipping by the global L2 norm over all shards (one small all-reduce of the squared norm).
 4. The optimizer step; then the 16-bit copy of the owned range is refreshed from the master, and at
-   stages 1-2 every chunk is all-gathered so each rank again holds all parameters (stage 3 gathers
-   lazily when modules run; stage 0 updated everything everywhere).
+   stages 1-2 every chunk's all-gather starts, so each rank again holds all parameters once it
+   arrives: step() does not wait for it; the next forward waits per chunk (hooks.ArrivalHooks).
+   Stage 3 gathers lazily when modules run; stage 0 updated everything everywhere.
 
 Chunks whose optimizer lives on the host (offload.py) step one chunk at a time, in the order the next
 forward needs them, and each updated shard starts its upload (and, at stages 1-2, its all-gather)
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from .chunks import fold_host_grad
 from .offload import Pending
+from .ordering import PUBLISH
 
 
 class LossScaler:
@@ -149,13 +151,10 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        gathers = []
         applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._inv_scale(),
-                                               self.comm, self.optimizer, self._copy_target,
-                                               lambda c, target: self._publish(c, target, gathers))
-        for w in gathers:
-            if w is not None:
-                w.wait()
+                                               self.comm, self.optimizer, self._copy_target, self._publish)
+        if applied:
+            self._gather_updated()
         self._account(applied, overflow, norm)
         return applied
 
@@ -297,9 +296,8 @@ class ShardedOptimizer:
         self._staging_slot_of[id(c)] = slot
         return buf[:c.master.numel()]
 
-    def _publish(self, c, target, gathers: list) -> None:
-        """Bring chunk c's updated master into its compute shard, then (stages 1-2) start the
-        all-gather that gives every rank the whole updated chunk."""
+    def _publish(self, c, target) -> None:
+        """Bring chunk c's updated master into its compute shard."""
         if not c.master_is_shard:
             if target is not None and id(c.master) not in getattr(self.optimizer, "copied", ()):
                 target.copy_(c.master)
@@ -313,8 +311,18 @@ class ShardedOptimizer:
                 upload.wait()
             else:  # master on the device, shard offloaded to the host: download
                 c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()
-        if self.stage in (1, 2):
-            gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
+
+    def _gather_updated(self) -> None:
+        """Stages 1-2: start every updated chunk's all-gather, which gives every rank the whole
+        updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, hooks.ArrivalHooks).
+        Issued only after every rank finished its update (a rank whose step raised half-way
+        never pairs its next collectives with these)."""
+        if self.stage not in (1, 2) or self.comm.world == 1:
+            return
+        self.comm.agree(PUBLISH)
+        for c in self.chunks:
+            c.await_arrival()  # a delayed update's upload into the shard the gather reads
+            c.arriving = self.comm.all_gather(c.full, c.shard, async_op=True)
 
     # -- the delayed update (DPU) -----------------------------------------------------------------
     def _launch(self) -> None:
@@ -389,28 +397,22 @@ class ShardedOptimizer:
         self._account(applied, overflow, norm)
         if not applied:
             return False
-        gathers = []
         for c in self.chunks:
             slot = self._delay_staging[id(c)]
-            upload = c.transfer.to_device(slot[0], out=c.shard)
-            slot[1] = upload
-            if self.stage in (1, 2) and self.comm.world > 1:  # the all-gather reads the shard now
-                upload.wait()
-                gathers.append(self.comm.all_gather(c.full, c.shard, async_op=True))
-            else:  # waited for at the chunk's first use (Chunk.await_arrival)
-                c.arriving = upload
-        for w in gathers:
-            if w is not None:
-                w.wait()
+            slot[1] = c.arriving = c.transfer.to_device(slot[0], out=c.shard)  # waited for at first use
+        self._gather_updated()
         return True
 
     def await_arrivals(self) -> None:
-        """Order the compute stream after every upload of the landed update (before reading
-        parameters outside a forward)."""
-        if self.delay_after is None:  # nothing ever arrives: keep the forward's end free of the loop
-            return
+        """Wait for every chunk still arriving (uploads of a landed update, all-gathers of an update:
+        on the device where it can) before parameters are read outside a forward."""
         for c in self.chunks:
             c.await_arrival()
+
+    def zero_grads(self) -> None:
+        """Clear the chunks' gradients (after a step, or a failed one)."""
+        for c in self.chunks:
+            c.zero_grad()
 
     def _drop_grads(self) -> None:
         for c in self.chunks:

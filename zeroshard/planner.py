@@ -31,6 +31,7 @@ import torch
 
 from .chunks import ALIGN, _round_up, pack
 from .hardware import GIB, Hardware
+from .offload import Placement
 from .profiler import Profile
 
 MASTER_BYTES = 4  # fp32 master copy, per element
@@ -170,6 +171,12 @@ class Plan:
     loads: int = 0  # chunk gathers per step
     notes: list[str] = field(default_factory=list)
     reserve: int = 0  # the driver's share of other_bytes: outside the caching allocator, not fragmented
+
+    def placement(self, index: int, stage: int) -> Placement:
+        """Where chunk `index`'s optimizer (and at stage 3 its shard) lives; a chunk the plan did
+        not foresee (after a re-pack) keeps everything on the device."""
+        on_host = index < len(self.optimizer_on_host) and self.optimizer_on_host[index]
+        return Placement(optimizer_on_host=on_host, params_on_host=on_host and stage == 3)
 
     @property
     def device_bytes(self) -> int:
@@ -469,12 +476,17 @@ def _progress(items, desc: str):
 
 
 # -- the engine's planning glue ------------------------------------------------------------------
-def plan_for(module, example_inputs, make_opt, config, dtype, device, comm) -> tuple[Plan, Profile]:
+def plan_for(module, example_inputs, make_opt, config, device, comm) -> tuple[Plan, Profile]:
     """The engine's planning (offload/stage "auto"): profile, measure and plan on rank 0; every rank
     gets rank 0's plan, so all build the same chunks even if their measurements would differ."""
     from .hardware import probe
     from .profiler import profile
 
+    if example_inputs is None:
+        raise ValueError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
+                         "example_inputs=... to zeroshard.initialize (one micro-batch as the model is "
+                         "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
+    dtype = config.dtype
     mine = None
     if comm.rank == 0:
         prof = profile(module, example_inputs, dtype=dtype, device=device)

@@ -18,16 +18,15 @@ import collections
 import torch
 
 from .chunks import Chunk, GradState, Slot
-from .collectives import REDUCE, Comm, order_tag
+from .collectives import Comm
 
 MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
 
 
 class GradientReducer:
-    def __init__(self, comm: Comm, stage: int, check_order: bool):
+    def __init__(self, comm: Comm, stage: int):
         self.comm = comm
         self.stage = stage
-        self.check_order = check_order
         self.reduce_now = False  # this backward pass reduces (stages 2-3 always; 0-1 at a window's end)
         self._in_flight: collections.deque[Chunk] = collections.deque()  # stages 2-3, oldest first
 
@@ -76,8 +75,6 @@ class GradientReducer:
                 c.abandon_reduce()
 
     def _start(self, chunk: Chunk) -> None:
-        if self.check_order:
-            self.comm.check_order(order_tag(REDUCE, chunk.index))
         chunk.start_reduce(self.comm)
 
     def _finish_completed(self) -> None:

@@ -3,7 +3,7 @@ count them (collectives, transfers, the rCache, chunks, the optimizer), whose co
 
 Keys: `comm_elements` (payload elements this rank moved, counted as the ZeRO paper does: an
 all-reduce of M elements 2M, a reduce-scatter or all-gather M), `control_collectives` (small ones:
-order checks, norms, overflow flags), `model_state_bytes` and `model_state_bytes_by_kind` (bytes of
+norms, overflow flags), `order_checks` (tag comparisons on the check group, ordering.py), `model_state_bytes` and `model_state_bytes_by_kind` (bytes of
 'params', 'grads' and 'optimizer' states this rank keeps between steps; transient buffers and the
 stage-3 cache excluded), `model_state_bytes_by_device` (the same split into 'device' and 'host'),
 `transfer_bytes` ('h2d' and 'd2h' bytes copied since the previous step), `cache_peak_chunks` and
@@ -37,6 +37,7 @@ def step_stats(engine, applied: bool) -> dict:
         "applied": applied,
         "comm_elements": engine.comm.elements,
         "control_collectives": engine.comm.control_collectives,
+        "order_checks": engine.comm.order_checks,
         "model_state_bytes": sum(by_kind.values()),
         "model_state_bytes_by_kind": by_kind,
         "model_state_bytes_by_device": by_device,
