@@ -20,9 +20,10 @@ def _entry(rank, world, port, fn, args):
     # checkpoint tests on CUDA); harmless on CPU.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     stacks = float(os.environ.get("ZEROSHARD_RANK_STACKS", 0))
-    if stacks > 0:  # debugging a hang: each rank prints its threads' stacks every `stacks` seconds
-        import faulthandler
-        faulthandler.dump_traceback_later(stacks, repeat=True)
+    if stacks > 0:  # debugging a hang: each rank writes its threads' stacks every `stacks` seconds
+        import faulthandler  # to a file (pytest captures a child's stderr until the test ends)
+        out = open(os.path.join(os.environ.get("ZEROSHARD_STACKS_DIR", "/tmp"), f"zeroshard-stacks-{os.getpid()}.txt"), "w")
+        faulthandler.dump_traceback_later(stacks, repeat=True, file=out)
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1 if world > 1 else 2)

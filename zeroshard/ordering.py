@@ -77,7 +77,7 @@ class OrderCheck:
         if hi != lo and self.failure is None:
             # Ranks may have started different numbers of comparisons on this group: an engine
             # made after this one must not pair its comparisons with the leftovers (has_check_group).
-            _check_groups.clear()
+            _retire_check_groups()
             self.failure = (
                 f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but "
                 f"another rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must "
@@ -166,6 +166,14 @@ class Sequencer:
         self.drain()
         self.check.agree(tag)
 _check_groups: dict = {}  # process group -> its check group, shared by the engines of the process
+# Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it
+# queued, and after a divergence some are never paired.
+_retired: list = []
+
+
+def _retire_check_groups() -> None:
+    _retired.extend(_check_groups.values())
+    _check_groups.clear()
 
 
 def has_check_group(group) -> bool:
@@ -180,6 +188,6 @@ def check_group(group, ranks: list[int] | None, renew: bool):
     from .collectives import TIMEOUT
     key = group if group is not None else dist.group.WORLD
     if renew:
-        _check_groups.clear()  # older ones belong to destroyed process groups, or diverged
+        _retire_check_groups()  # older ones belong to destroyed process groups, or diverged
         _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=TIMEOUT)
     return _check_groups[key]
