@@ -187,25 +187,14 @@ def test_plain_loss_backward_with_fp16_raises_the_named_error(res):
     assert "call engine.backward(loss)" in (ok(r, "plain_backward_fp16_raises")["raised"] or "")
 
 
-def test_a_rank_that_carries_on_after_a_failed_backward_gets_diverged_error_everywhere(res):
-    """Rank 0 raises half-way through its third backward, catches it and goes on, a micro-batch
-    behind: every rank raises DivergedError (the order check compares micro-batch counts too) within
-    30 s, instead of training out of step and hanging at a later collective."""
+@pytest.mark.parametrize("where", ["backward", "step"])
+def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(res, where):
+    """Rank 0 raises half-way through its third backward (or its optimizer step raises after the
+    step's first collective), catches it and goes on, a micro-batch (a step) behind: every rank
+    raises DivergedError within 30 s (every collective on the group, the step's own included, is
+    compared first, with micro-batch counts), instead of training out of step and hanging later."""
     r, world = res
-    got = ok(r, "desync_after_a_caught_backward_error")
-    if world == 1:
-        assert got["raised"] == "n/a at world 1"
-        return
-    assert [g["raised"] for g in got["ranks"]] == ["DivergedError"] * world, got
-    assert max(g["seconds"] for g in got["ranks"]) < 30
-
-
-def test_a_rank_that_carries_on_after_a_failed_step_gets_diverged_error_everywhere(res):
-    """Rank 0's optimizer step raises after the step's first collective; it goes on a step behind
-    the others: every rank raises DivergedError within 30 s (every collective on the group,
-    the step's own included, is compared first)."""
-    r, world = res
-    got = ok(r, "desync_after_a_caught_step_error")
+    got = ok(r, f"desync_after_a_caught_{where}_error")
     if world == 1:
         assert got["raised"] == "n/a at world 1"
         return

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from .chunks import fold_host_grad
-from .offload import Pending
 from .ordering import PUBLISH
 
 
