@@ -5,13 +5,14 @@
 Parts (each runs the benchmark script named, as a subprocess, and reads its --json output):
 
 - step_time: bench/step_time.py under torchrun, 2 ranks: torch DDP, torch FSDP2, zeroshard stages
-  0-3, on each workload of STEP_TIME_WORKLOADS (--model gpt2-tiny, 30 steps; --model gpt2-small-cpu,
-  12 steps; 6 and 4 with --quick): per system the median step, its ratio to DDP, the median forward,
+  0-3, on each workload of STEP_TIME_WORKLOADS (--model gpt2-tiny, 30 steps in turns of 3; --model
+  gpt2-small-cpu, 14 steps in turns of 2; 6 and 4 with --quick), every system built first and then
+  run interleaved, turn by turn: per system the median step, its ratio to DDP, the median forward,
   backward and optimizer-step phases, and the goal (GOALS, per workload). gpt2-tiny's rows sit next
   to the peer figures of shared/notes/anchors.md (measured on another machine of this kind, so
-  ratios to DDP are compared, not seconds). DeepSpeed ZeRO 1-3 join each workload's table when
-  ZEROSHARD_DEEPSPEED_PYTHON names the python of an environment with deepspeed (bench/deepspeed_step.py
-  --model W, a separate launch right after step_time.py's). That python may be a wrapper: with
+  ratios to DDP are compared, not seconds). DeepSpeed ZeRO 1-3 (ds1-ds3, bench/deepspeed_step.py)
+  join the same launch, interleaved with the others, when ZEROSHARD_DEEPSPEED_PYTHON names the python
+  of an environment with deepspeed; the launch then runs under that python. It may be a wrapper: with
   DeepSpeed and the pure-Python packages it needs beyond the project's environment installed in side
   folders (`pip install --no-deps --target /tmp/site deepspeed==0.19.8 hjson ...`; here /tmp/site
   and /tmp/ds-extra with psutil, einops, msgpack, ninja, py-cpuinfo, nvidia-ml-py), a script
@@ -20,7 +21,8 @@ Parts (each runs the benchmark script named, as a subprocess, and reads its --js
       PYTHONPATH="/tmp/site:/tmp/ds-extra${PYTHONPATH:+:$PYTHONPATH}" exec /work/main/.venv/bin/python "$@"
 
   saved as /tmp/ds-python (chmod +x) and ZEROSHARD_DEEPSPEED_PYTHON=/tmp/ds-python; it is launched as
-  `$ZEROSHARD_DEEPSPEED_PYTHON -m torch.distributed.run ...`, whose workers inherit the PYTHONPATH.
+  `$ZEROSHARD_DEEPSPEED_PYTHON -m torch.distributed.run ...`, whose workers inherit the PYTHONPATH. If
+  that launch fails, the workload runs again without DeepSpeed and the failure is recorded.
 - comm: elements each rank moves per step in units of Psi (step_time's gpt2-tiny zeroshard rows, plus
   stage 3 with rCaches of 1 and 2 chunks), against the ZeRO paper's 2, 2, 2, 3 Psi.
 - memory: model-state bytes per rank for stages 0-3 at world sizes 1-3 (bench/model_states.py)
@@ -33,7 +35,7 @@ Parts (each runs the benchmark script named, as a subprocess, and reads its --js
 
 Output in DIR (default bench/results/): results.json, results.md (starting with the machine),
 <part>.png (step_time_gpt2-small-cpu.png beside step_time.png), logs/<part>.log, raw/ (each script's
-JSON). About 10 minutes on a 2-core CPU (step_time with both workloads and DeepSpeed about half of it),
+JSON). About 15 minutes on a 2-core CPU (step_time with both workloads and DeepSpeed about 10 of them),
 3-4 with --quick. A part that fails is recorded (error and log tail) and the others still run; the
 exit status is 1 if any part failed.
 """
@@ -70,17 +72,18 @@ ANCHORS_WORKLOAD = "gpt2-tiny"
 # and (steps, warmup) for a full run and for --quick; timeout in seconds per launch.
 STEP_TIME_WORKLOADS = {
     "gpt2-tiny": {"shape": "GPT-2 4 layers x 256, vocab 512, 4 x 128 tokens per rank", "full": (30, 3),
-                  "quick": (6, 2), "timeout": 600},
-    "gpt2-small-cpu": {"shape": "GPT-2 6 layers x 512, vocab 8192, 2 x 256 tokens per rank", "full": (12, 2),
-                       "quick": (4, 1), "timeout": 1200},
+                  "quick": (6, 2), "block": 3, "timeout": 900},
+    "gpt2-small-cpu": {"shape": "GPT-2 6 layers x 512, vocab 8192, 2 x 256 tokens per rank", "full": (14, 2),
+                       "quick": (4, 1), "block": 2, "timeout": 1500},
 }
 # The project's targets per workload, ratio of the median step to DDP's (README).
 GOALS = {"gpt2-tiny": {"zs1": 1.05, "zs2": 1.05, "zs3": 1.15},
          "gpt2-small-cpu": {"zs1": 1.03, "zs2": 1.03, "zs3": 1.10}}
 PHASES = ("forward", "backward", "step")  # step_time.py's phases_s keys
-LABELS = {"ddp": "torch DDP", "ddp_ds": "torch DDP (DeepSpeed's launch)", "fsdp2": "torch FSDP2 (per block)", "zs0": "zeroshard stage 0",
+LABELS = {"ddp": "torch DDP", "fsdp2": "torch FSDP2 (per block)", "zs0": "zeroshard stage 0",
           "zs1": "zeroshard stage 1", "zs2": "zeroshard stage 2", "zs3": "zeroshard stage 3",
           "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3"}
+COMM_CACHE_CHUNK = 415424  # elements: an eighth of gpt2-tiny (the default before chunks had a 4M-element floor)
 PAPER_COMM_PSI = {0: 2.0, 1: 2.0, 2: 2.0, 3: 3.0}  # ZeRO section 7: all-reduce 2, stage 3 1.5x that
 # shared/notes/anchors.md, 64M fp32 elements on a machine of this kind: G elements/s.
 ADAM_ANCHORS = {"torch AdamW (for-loop)": 0.21, "torch AdamW (foreach)": 0.41, "torch AdamW (fused)": 3.4,
@@ -189,67 +192,56 @@ def torchrun(python: str) -> list[str]:
 
 # -- the parts: run() fills part["data"]; render() gives markdown lines and plots ---------------------
 
-def step_time_command(workload: str, steps: int, warmup: int, script: str = "step_time.py") -> str:
-    return (f"torchrun --standalone --nproc_per_node 2 bench/{script} --model {workload} --steps {steps} "
-            f"--warmup {warmup}")
+STEP_TIME_SYSTEMS = "ddp,fsdp2,zs0,zs1,zs2,zs3"
+DEEPSPEED_SYSTEMS = "ds1,ds2,ds3"
+
+
+def step_time_command(workload: str, steps: int, warmup: int, block: int, systems: str) -> str:
+    return (f"torchrun --standalone --nproc_per_node 2 bench/step_time.py --model {workload} --steps {steps} "
+            f"--warmup {warmup} --block {block} --systems {systems}")
 
 
 def run_step_time(ctx, part):
-    """Each workload: step_time.py (DDP, FSDP2, zeroshard 0-3), then deepspeed_step.py when
-    ZEROSHARD_DEEPSPEED_PYTHON is set. A workload that fails is recorded and the next one still runs."""
+    """Each workload: one step_time.py launch, DeepSpeed's stages among the systems when
+    ZEROSHARD_DEEPSPEED_PYTHON is set (and again without them if that launch fails). A workload that
+    fails is recorded and the next one still runs."""
     part["data"] = {"workloads": {}}
     for name in os.listdir(ctx.out):  # the extra workloads' plots of an earlier run
         if name.startswith("step_time_") and name.endswith(".png"):
             os.remove(os.path.join(ctx.out, name))
+    ds_python = os.environ.get("ZEROSHARD_DEEPSPEED_PYTHON")
     for workload, w in STEP_TIME_WORKLOADS.items():
         steps, warmup = w["quick"] if ctx.quick else w["full"]
-        say(f"  {workload}: {steps} steps ({warmup} warm-up) per system")
+        block = w["block"]
+        say(f"  {workload}: {steps} steps ({warmup} warm-up) per system, interleaved in turns of {block}")
         path = ctx.tmp(f"step_time_{workload}.json")
-        try:
-            run_command(torchrun(sys.executable) + [os.path.join(BENCH, "step_time.py"), "--model", workload,
-                                                    "--steps", str(steps), "--warmup", str(warmup), "--json", path],
-                        ctx.log("step_time"), w["timeout"])
-            data = load_json(path)
-        except Exception as e:
-            part["errors"].append(f"{workload}: {e}")
-            part["error_tail"] = getattr(e, "tail", None) or traceback.format_exc().splitlines()
-            part["data"]["workloads"][workload] = {"status": f"failed: {e}", "systems": []}
+        launches = [(ds_python, f"{STEP_TIME_SYSTEMS},{DEEPSPEED_SYSTEMS}")] if ds_python else []
+        launches.append((sys.executable, STEP_TIME_SYSTEMS))
+        deepspeed = ({"status": "not installed (set ZEROSHARD_DEEPSPEED_PYTHON to a side environment's python, "
+                                "or to a wrapper: see bench/run_all.py)"} if not ds_python else None)
+        data = None
+        for python, systems in launches:
+            try:
+                run_command(torchrun(python) + [os.path.join(BENCH, "step_time.py"), "--model", workload,
+                                                "--steps", str(steps), "--warmup", str(warmup), "--block", str(block),
+                                                "--systems", systems, "--json", path],
+                            ctx.log("step_time"), w["timeout"])
+                data = load_json(path)
+            except Exception as e:
+                part["errors"].append(f"{workload}{' with DeepSpeed' if python == ds_python else ''}: {e}")
+                part["error_tail"] = getattr(e, "tail", None) or traceback.format_exc().splitlines()
+                if python == ds_python:
+                    deepspeed = {"status": f"failed: {e}"}
+                continue
+            data["command"] = step_time_command(workload, steps, warmup, block, systems)
+            if python == ds_python:
+                deepspeed = {"status": "ran", "version": data["machine"].get("deepspeed"), "python": ds_python}
+            break
+        if data is None:
+            part["data"]["workloads"][workload] = {"status": "failed", "systems": [], "deepspeed": deepspeed}
             continue
-        data["command"] = step_time_command(workload, steps, warmup)
+        data["deepspeed"] = deepspeed
         part["data"]["workloads"][workload] = data
-        run_deepspeed_step(ctx, part, workload, data, steps, warmup, w["timeout"])
-
-
-def run_deepspeed_step(ctx, part, workload, data, steps, warmup, timeout):
-    ds_python = os.environ.get("ZEROSHARD_DEEPSPEED_PYTHON")
-    ds_script = os.path.join(BENCH, "deepspeed_step.py")
-    if not ds_python:
-        data["deepspeed"] = {"status": "not installed (set ZEROSHARD_DEEPSPEED_PYTHON to a side environment's "
-                                       "python, or to a wrapper: see bench/run_all.py)"}
-        return
-    if not os.path.exists(ds_script):
-        data["deepspeed"] = {"status": "not run: bench/deepspeed_step.py is missing"}
-        return
-    path = ctx.tmp(f"deepspeed_step_{workload}.json")
-    try:
-        run_command(torchrun(ds_python) + [ds_script, "--model", workload, "--steps", str(steps), "--warmup",
-                                           str(warmup), "--json", path], ctx.log("step_time"), timeout)
-        got = load_json(path)
-    except Exception as e:
-        # zeroshard's rows stand on their own; the part is still marked failed, since DeepSpeed was asked for.
-        part["errors"].append(f"{workload}: DeepSpeed: {e}")
-        part["error_tail"] = getattr(e, "tail", [])
-        data["deepspeed"] = {"status": f"failed: {e}"}
-        return
-    data["deepspeed"] = {"status": "ran", "version": got.get("deepspeed"), "python": ds_python,
-                         "machine": got.get("machine"),
-                         "command": step_time_command(workload, steps, warmup, "deepspeed_step.py")}
-    for row in got["systems"]:
-        if row["system"] == "ddp":  # DeepSpeed's launch's own DDP: its stages' ratios are to this one
-            row = {**row, "system": "ddp_ds"}
-        if "error" in row:
-            part["errors"].append(f"{workload}: DeepSpeed {row['system']}: {row['error'].strip().splitlines()[-1]}")
-        data["systems"].append({**row, "separate_launch": True})
 
 
 def reference_losses(data):
@@ -269,15 +261,13 @@ def losses_ok(row, ref) -> bool:
 
 
 def step_rows(data):
-    """Rows with the ratio to DDP: DeepSpeed's (a separate launch) to the DDP of that launch."""
-    ddp, ddp_ds = (next((r for r in data["systems"] if r["system"] == name and "median_s" in r), None)
-                   for name in ("ddp", "ddp_ds"))
+    """Rows with the ratio to DDP's median step."""
+    ddp = next((r for r in data["systems"] if r["system"] == "ddp" and "median_s" in r), None)
     rows = []
     for r in data["systems"]:
         r = dict(r)
-        base = ddp_ds if r.get("separate_launch") else ddp
         if "median_s" in r:
-            r["vs_ddp"] = r["median_s"] / base["median_s"] if base else None
+            r["vs_ddp"] = r["median_s"] / ddp["median_s"] if ddp else None
         rows.append(r)
     return rows
 
@@ -293,12 +283,16 @@ def goal_cell(workload, r) -> str:
 
 def render_step_time(ctx, part):
     workloads = part["data"]["workloads"]
-    md = ["Per workload: each system's median step, its ratio to DDP's median step of the same run, and the "
-          "median of each phase: forward (the model call producing the loss), backward (`loss.backward()` / "
-          "`engine.backward(loss)`) and step (optimizer step + `zero_grad` / `engine.step()`), read with "
-          "`perf_counter` at the phase boundaries inside the timed step (no synchronisation added). A step is as "
-          "slow as its slowest rank, and its phases are that rank's; the three phase medians need not add up to "
-          "the median step. AdamW, fp32, 2 ranks over gloo, 1 thread each.", "",
+    md = ["Per workload: every system built in one launch and run interleaved, in turns of a few steps, the "
+          "order rotated each round, so the machine's drifting speed falls on all alike. Within a turn steps run "
+          "back to back, a step lasting from its forward's start to the next forward's start (work a step leaves "
+          "running is paid inside the next; at a turn's end the system waits for it, in its last step). Each "
+          "system's median step, its ratio to DDP's, and the median of each phase: forward (the model call "
+          "producing the loss), backward (`loss.backward()` / `engine.backward(loss)`) and step (optimizer step + "
+          "`zero_grad` / `engine.step()`, up to the next forward), read with `perf_counter` at the phase "
+          "boundaries (no synchronisation added). A step is as slow as its slowest rank, and its phases are that "
+          "rank's; the three phase medians need not add up to the median step. AdamW, fp32, 2 ranks over gloo, "
+          "1 thread each.", "",
           "Goals (ratio to DDP): " + "; ".join(
               f"{wl} " + ", ".join(f"{LABELS[s].replace('zeroshard ', '')} <= {g:.2f}" for s, g in goals.items())
               for wl, goals in GOALS.items()) + "."]
@@ -308,12 +302,15 @@ def render_step_time(ctx, part):
         md += ["", f"### {workload}", ""]
         if "machine" not in data:
             md.append(f"{data.get('status', 'not run')}")
+            ds = data.get("deepspeed") or {}
+            if ds.get("status"):
+                md.append(f"\nDeepSpeed: {ds['status']}.")
             continue
         rows = step_rows(data)
-        ds = data.get("deepspeed", {})
+        ds = data.get("deepspeed") or {}
         ref, ref_what = reference_losses(data)
         md += [f"`{data['command']}`: {STEP_TIME_WORKLOADS[workload]['shape']}; median over "
-               f"{data['steps'] - data['warmup']} timed steps ({data['warmup']} warm-up).", "",
+               f"{data['steps'] - data['warmup']} timed steps ({data['warmup']} warm-up) per system.", "",
                "| system | median step (s) | vs DDP | forward (s) | backward (s) | step (s) | first three losses | "
                "losses | anchor vs DDP (s) | goal vs DDP |",
                "|---|---|---|---|---|---|---|---|---|---|"]
@@ -321,7 +318,7 @@ def render_step_time(ctx, part):
             anchor = ANCHORS.get(r["system"]) if workload == ANCHORS_WORKLOAD else None
             anchor_s = f"{anchor[1]:.2f} ({anchor[0]:.3f})" if anchor else ""
             goal = goal_cell(workload, r)
-            name = LABELS.get(r["system"], r["system"]) + (" *" if r.get("separate_launch") else "")
+            name = LABELS.get(r["system"], r["system"])
             if "median_s" not in r:
                 err = r.get("error", "no result").strip().splitlines()[-1]
                 md.append(f"| {name} | failed: {err} | | | | | | | {anchor_s} | {goal} |")
@@ -341,9 +338,8 @@ def render_step_time(ctx, part):
             md.append("Anchors: shared/notes/anchors.md, measured on another 2-core machine of this kind; compare "
                       "the ratios, not the seconds.")
         if ds.get("status") == "ran":
-            md.append(f"\n\\* DeepSpeed {ds.get('version')} (`{ds.get('command')}` with {ds.get('python')}), launched "
-                      "separately right after the others, with torch DDP first in the same launch: each stage's ratio "
-                      "is to that DDP (the machine's speed drifts between launches).")
+            md.append(f"\nDeepSpeed {ds.get('version')} (bench/deepspeed_step.py: torch AdamW as a client optimizer, "
+                      f"fp32, default buckets) ran in the same launch, under {ds.get('python')}.")
         else:
             md.append(f"\nDeepSpeed: {ds.get('status', 'not run')}."
                       + (" Its anchors: ZeRO-1 1.30, ZeRO-2 1.13, ZeRO-3 1.49." if workload == ANCHORS_WORKLOAD else ""))
@@ -393,7 +389,7 @@ def plot_step_time(ctx, rows, data, workload):
         marks = [y for _, y in anchors + goals]
     ax.set_xticks(list(x))
     ax.set_xticklabels([LABELS.get(r["system"], r["system"]).replace(" (per block)", "").replace(" ", "\n", 1)
-                        + ("\n(own launch)" if r.get("separate_launch") else "") for r in rows], fontsize=8)
+                        for r in rows], fontsize=8)
     ax.set_ylabel("median step time (s)")
     ax.set_title(f"{workload}, {data['machine']['world']} ranks (gloo, CPU): step time, labels = ratio to DDP")
     ax.legend(fontsize=8, loc="best")
@@ -423,13 +419,14 @@ def run_comm(ctx, part):
                 "num_params": r["num_params"], "cache_overflows_per_step": over / steps if over is not None else None}
     rows = [row(r, "unlimited", st["steps"]) for r in zs]
     # The paper's 3 Psi at stage 3 assumes the parameters are gathered again for backward; an unlimited
-    # rCache keeps them from forward, so small caches are measured too (1 chunk is below what one layer
-    # of gpt2-tiny spans, so it also shows what thrashing costs).
+    # rCache keeps them from forward, so small caches are measured too, on chunks of COMM_CACHE_CHUNK
+    # elements (the default packs gpt2-tiny in one chunk; 1 chunk of this size is below what one layer
+    # spans, so it also shows what thrashing costs).
     for cache in (1, 2):
         path = ctx.tmp(f"comm_cache{cache}.json")
         run_command(torchrun(sys.executable) + [os.path.join(BENCH, "step_time.py"), "--systems", "zs3",
-                                                "--cache-chunks", str(cache), "--steps", "4", "--warmup", "1",
-                                                "--json", path], ctx.log("comm"), 300)
+                                                "--cache-chunks", str(cache), "--chunk-size", str(COMM_CACHE_CHUNK),
+                                                "--steps", "4", "--warmup", "1", "--json", path], ctx.log("comm"), 300)
         got = load_json(path)
         rows.append(row(got["systems"][0], f"{cache} chunk{'s' if cache > 1 else ''}", got["steps"]))
     part["data"] = {"source": source, "rows": rows}
@@ -440,7 +437,8 @@ def render_comm(ctx, part):
     md = ["Elements each rank communicates per optimizer step in units of Ψ (the padded parameter count), counted "
           "as the ZeRO paper counts (all-reduce 2M, reduce-scatter and all-gather M each), gpt2-tiny, 2 ranks, fp32; "
           f"from {part['data']['source']}; stage 3 with a small rCache from "
-          "`step_time.py --systems zs3 --cache-chunks C --steps 4 --warmup 1`.", "",
+          f"`step_time.py --systems zs3 --cache-chunks C --chunk-size {COMM_CACHE_CHUNK} --steps 4 --warmup 1` (the "
+          "default chunk size packs gpt2-tiny into one chunk, so a cache of chunks needs smaller ones).", "",
           "| stage | rCache | measured (Ψ) | ZeRO paper (Ψ) | measured / paper | rCache overflows per step (mean) | "
           "Ψ (padded elements) | padding |",
           "|---|---|---|---|---|---|---|---|"]

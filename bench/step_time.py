@@ -1,24 +1,33 @@
-"""Step time of zeroshard stages 0-3 next to torch DDP and torch FSDP2, same model, same run, CPU.
+"""Step time of zeroshard stages 0-3 next to torch DDP, torch FSDP2 and DeepSpeed ZeRO 1-3, same model, same run, CPU.
 
     torchrun --standalone --nproc_per_node 2 bench/step_time.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
-        [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3] [--cache-chunks N]
+        [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3]] [--cache-chunks N] [--chunk-size N]
         [--check-order | --no-check-order] [--phase-sync]
 
 Workload (--model) "gpt2-tiny" (default): GPT-2 with 4 layers, n_embd 256, 4 heads, vocab 512, 128
 positions, 4 x 128 tokens per rank per step; "gpt2-small-cpu": 6 layers, n_embd 512, 8 heads, vocab
 8192, 256 positions, 2 x 256 tokens per rank. No dropout (seed 0); AdamW(lr=1e-3, weight_decay=0);
-gloo, 2 ranks, one thread each. Each system gets a fresh model and runs --steps steps on the same data; the first
---warmup are not timed. A step is forward + backward + optimizer step, timed with perf_counter after
-a barrier so ranks start together; the step's time is the slowest rank's, and the table shows the
-median over timed steps. Each step is also split into phases, perf_counter read at their boundaries
-inside the timed region (no barrier or synchronisation added): forward (the model call producing the
-loss), backward (loss.backward() / engine.backward(loss)) and step (optimizer step + zero_grad /
-engine.step()); a step's phases are those of the rank whose step was slowest, and the table shows each
-phase's median over timed steps (JSON: "phases_s" per row, "phase_times_s" per step). --phase-sync adds
-torch.cuda.synchronize() at the boundaries on a CUDA device (off by default: it perturbs the total).
-The first three global-mean losses (gpt2-tiny's reference 6.294075, 6.306614, 6.290297) show every
-system trains the same model; a system more than 1e-4 off zeroshard stage 0 is flagged MISMATCH. For zeroshard rows it also prints the elements communicated per step in
-units of Psi (the padded parameter count) and the model-state bytes each rank holds.
+gloo, 2 ranks, one thread each. ds1-ds3 (DeepSpeed, never a dependency of zeroshard) need a python
+that can import deepspeed: see bench/deepspeed_step.py.
+
+Every system is built first, each on a fresh model, and then all of them run --steps steps on the same
+data, interleaved: in turns of --block steps, every system's turn once per round, the order rotated each
+round, so a shared machine's drifting speed (here it halves for minutes at a time) lands on every system
+alike. Within a turn steps run back to back as in a training loop, and a step lasts from its forward's
+start to the next forward's start; work a step leaves running (zeroshard stages 1-2 gather the updated
+parameters behind the next forward) is paid inside the next step, and at a turn's end the system waits
+for it, counted in that turn's last step. The first --warmup steps of each system are not timed. A
+step's time is the slowest rank's, and the table shows the median over timed steps. Each step is also
+split into phases, perf_counter read at their boundaries (no barrier or synchronisation added):
+forward (the model call producing the loss), backward (loss.backward() / engine.backward(loss)) and
+step (optimizer step + zero_grad / engine.step(), up to the next forward); a step's phases are those of
+the rank whose step was slowest, and the table shows each phase's median over timed steps (JSON:
+"phases_s" per row, "phase_times_s" per step). --phase-sync adds torch.cuda.synchronize() at the
+boundaries on a CUDA device (off by default: it perturbs the total). The first three global-mean losses
+(gpt2-tiny's reference 6.294075, 6.306614, 6.290297) show every system trains the same model; a system
+more than 1e-4 off zeroshard stage 0 is flagged MISMATCH. For zeroshard rows it also prints the elements
+communicated per step in units of Psi (the padded parameter count) and the model-state bytes each rank
+holds.
 
 Peer figures it is compared with (gpt2-tiny, ratio of DDP's step time):
     DDP 0.178 s (1.00)   FSDP2 0.401 s (2.25x)
@@ -45,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroshard  # noqa: E402
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "zs0", "zs1", "zs2", "zs3"]
+DEEPSPEED_SYSTEMS = ["ds1", "ds2", "ds3"]  # DeepSpeed ZeRO 1-3, where deepspeed is importable (bench/deepspeed_step.py)
 # name: GPT-2 shape, batch B x T tokens per rank, and the first three global-mean losses of one process
 # on the global batch (None: not fixed yet; each run's systems are compared with one another)
 WORKLOADS = {
@@ -77,17 +87,23 @@ def adamw(params):
 
 class Phases(NamedTuple):
     """One system's training step split at its phase boundaries, each a callable: forward(x) -> loss
-    (the model call), backward(loss), step() (the optimizer step and zeroing the gradients)."""
+    (the model call), backward(loss), step() (the optimizer step and zeroing the gradients); and
+    settle(), which waits for work the step left running in the background (zeroshard stages 1-2 gather
+    the updated parameters while the next forward runs), or None when a step leaves nothing running."""
     forward: Callable
     backward: Callable
     step: Callable
+    settle: Callable | None = None
 
 
-PHASES = Phases._fields  # ("forward", "backward", "step"): the keys of each JSON row's phases_s
+PHASES = ("forward", "backward", "step")  # the keys of each JSON row's phases_s
 
 
 def build(name, args):
     """Return (Phases, engine or None) for one system on a fresh model."""
+    if name.startswith("ds"):
+        from deepspeed_step import build as build_deepspeed  # imports deepspeed: only when asked for
+        return build_deepspeed(int(name[2:]), args.model)
     model = make_model(args.model)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -108,55 +124,82 @@ def build(name, args):
         return Phases(lambda x: model(input_ids=x, labels=x).loss, lambda loss: loss.backward(), step), None
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
-        "stage": int(name[2:]), "cache_chunks": args.cache_chunks, "check_order": args.check_order})
-    return Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step), engine
+        "stage": int(name[2:]), "cache_chunks": args.cache_chunks, "check_order": args.check_order,
+        "chunk_size": getattr(args, "chunk_size", None) or "auto"})
+    return (Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step,
+                   engine.apply_delayed_update), engine)
 
 
-def timed_steps(phases: Phases, data, args) -> tuple[list[float], list[float], dict[str, list[float]]]:
-    """Run args.steps steps, one per batch of `data`, each forward, backward and optimizer step
-    (`phases`). Returns every timed step's time (the slowest rank's, the first args.warmup left out),
-    the first three global-mean losses, and per phase name that same rank's phase times in each timed
-    step (so a step's phases add up to its time).
+def interleaved_steps(systems: dict[str, Phases], data, args) -> dict[str, tuple]:
+    """Run args.steps steps of every system, one batch of `data` per step, in turns of args.block steps:
+    each round runs every system's next turn, in an order rotated every round, so a shared machine's
+    changing speed falls on all systems alike instead of on whichever ran while it was slow.
 
-    perf_counter is read at the phase boundaries inside the timed region and nothing else happens
-    there: no barrier or synchronisation within a step. With args.phase_sync, in a process that has
-    used CUDA, torch.cuda.synchronize() precedes each reading so each phase holds its own kernels
-    (off by default: it would add to the step what the device could otherwise overlap)."""
+    Within a turn the steps run back to back, as a training loop runs them, and a step's time is the
+    time from its forward's start to the next one's: nothing outside the step (no barrier, no
+    reduction of the loss) sits between steps, so work a step leaves running in the background is paid
+    for inside the next step, as in training. A turn starts after a barrier and ends with the system's
+    settle(), which is counted in its last step (so its last step has nothing to overlap that work with).
+
+    Returns per system: every timed step's time (the slowest rank's; each system's first args.warmup
+    steps left out), the first three global-mean losses, and per phase name that same rank's phase
+    times in each timed step. Phases are read with perf_counter at their boundaries: forward (model
+    call), backward, step (from the backward's end to the next forward's start). With args.phase_sync,
+    in a process that has used CUDA, torch.cuda.synchronize() precedes each reading."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = getattr(args, "phase_sync", False) and torch.cuda.is_available()
-    samples, losses = [], []  # per timed step: (total, forward, backward, step)
-    for i in range(args.steps):
-        x = data[i, rank]
-        dist.barrier()
-        cuda = sync and torch.cuda.is_initialized()  # a process that never used CUDA has nothing to wait for
-        t0 = time.perf_counter()
-        loss = phases.forward(x)
-        if cuda:
+    names = list(systems)
+    done = {n: 0 for n in names}  # steps run so far
+    samples = {n: [] for n in names}  # per timed step: (total, forward, backward, step)
+    first_losses = {n: [] for n in names}
+    block = max(1, args.block)
+    rounds = -(-args.steps // block)
+
+    def now():
+        if sync and torch.cuda.is_initialized():  # a process that never used CUDA has nothing to wait for
             torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        phases.backward(loss)
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        phases.step()
-        if cuda:
-            torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        if i >= args.warmup:
-            samples.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
-        if i < 3:  # outside the timed region: the reduction is for the reader, not part of the step
-            l = loss.detach().float().clone()
+        return time.perf_counter()
+
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            phases = systems[name]
+            count = min(block, args.steps - done[name])
+            dist.barrier()
+            t_next = now()
+            for j in range(count):
+                i = done[name]
+                t0 = t_next
+                loss = phases.forward(data[i, rank])
+                t1 = now()
+                phases.backward(loss)
+                t2 = now()
+                phases.step()
+                if j == count - 1 and phases.settle is not None:
+                    phases.settle()
+                t_next = now()
+                if i >= args.warmup:
+                    samples[name].append((t_next - t0, t1 - t0, t2 - t1, t_next - t2))
+                if i < 3:
+                    first_losses[name].append(loss.detach().float().clone())
+                done[name] += 1
+    out = {}
+    for name in names:
+        all_samples = [None] * world
+        dist.all_gather_object(all_samples, samples[name])
+        # A step is as slow as its slowest rank; its phases are that rank's.
+        slowest = [max(per_rank, key=lambda s: s[0]) for per_rank in zip(*all_samples)]
+        losses = []
+        for l in first_losses[name]:
             dist.all_reduce(l)
             losses.append(l.item() / world)
-    # A step is as slow as its slowest rank; its phases are that rank's.
-    all_samples = [None] * world
-    dist.all_gather_object(all_samples, samples)
-    slowest = [max(per_rank, key=lambda s: s[0]) for per_rank in zip(*all_samples)]
-    return ([s[0] for s in slowest], losses, {name: [s[1 + k] for s in slowest] for k, name in enumerate(PHASES)})
+        out[name] = ([s[0] for s in slowest], losses,
+                     {ph: [s[1 + k] for s in slowest] for k, ph in enumerate(PHASES)})
+    return out
 
 
 def timing_row(name: str, step_times: list[float], losses: list[float], phase_times: dict) -> dict:
-    """The JSON fields of a row, from timed_steps' results (deepspeed_step.py's rows too)."""
+    """The JSON fields of a row, from interleaved_steps' results for one system."""
     return {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times,
             "losses": losses, "phases_s": {k: statistics.median(v) for k, v in phase_times.items()},
             "phase_times_s": phase_times}
@@ -164,8 +207,8 @@ def timing_row(name: str, step_times: list[float], losses: list[float], phase_ti
 
 # The printed tables' phase columns (deepspeed_step.py's too).
 PHASE_NOTE = ("fwd/bwd/step s: medians over the timed steps of forward (model call to the loss), backward and "
-              "step (optimizer step + zero_grad),\neach step's phases taken from the rank whose step was slowest "
-              "(the three medians need not add up to the median step)")
+              "step (optimizer step + zero_grad, up to the next forward),\neach step's phases taken from the rank "
+              "whose step was slowest (the three medians need not add up to the median step)")
 PHASE_COLUMNS = " ".join(f"{h:>8}" for h in ("fwd s", "bwd s", "step s"))
 
 
@@ -174,28 +217,43 @@ def phase_cells(row: dict) -> str:
     return " ".join(f"{ph[k]:>8.4f}" if ph else f"{'-':>8}" for k in PHASES)
 
 
-def run(name, args, data):
-    phases, engine = build(name, args)
-    row = timing_row(name, *timed_steps(phases, data, args))
+def run(names, args, data) -> list[dict]:
+    """Build every system in `names` on a fresh model, time them interleaved, and return their rows."""
+    built = {}
+    for name in names:
+        if dist.get_rank() == 0:
+            print(f"building {name} ...", flush=True)
+        built[name] = build(name, args)
+    if dist.get_rank() == 0:
+        print(f"running {', '.join(names)}, interleaved in turns of {args.block} steps ...", flush=True)
+    timed = interleaved_steps({name: phases for name, (phases, _) in built.items()}, data, args)
     world = dist.get_world_size()
-    if engine is not None:
-        s = engine.stats()
-        state = [None] * world
-        dist.all_gather_object(state, s["model_state_bytes"])
-        row.update(comm_elements=s["comm_elements"], padded_elements=s["padded_elements"],
-                   num_params=s["num_params"], comm_psi=s["comm_elements"] / s["padded_elements"],
-                   model_state_mib_per_rank=[b / 2**20 for b in state],
-                   cache_peak_chunks=s.get("cache_peak_chunks"), cache_overflows=s.get("cache_overflows"))
-    del phases, engine
+    rows = []
+    for name in names:
+        row = timing_row(name, *timed[name])
+        engine = built[name][1]
+        if name.startswith("zs"):
+            s = engine.stats()
+            state = [None] * world
+            dist.all_gather_object(state, s["model_state_bytes"])
+            row.update(comm_elements=s["comm_elements"], padded_elements=s["padded_elements"],
+                       num_params=s["num_params"], comm_psi=s["comm_elements"] / s["padded_elements"],
+                       model_state_mib_per_rank=[b / 2**20 for b in state],
+                       cache_peak_chunks=s.get("cache_peak_chunks"), cache_overflows=s.get("cache_overflows"))
+        elif name.startswith("ds") and hasattr(engine, "destroy"):
+            engine.destroy()
+        rows.append(row)
+    del built
     gc.collect()
-    return row
+    return rows
 
 
 def print_table(rows, machine, args):
     print(f"\nmachine: {machine['cores']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
           f"{machine['world']} ranks (gloo), {machine['threads']} thread/rank")
     ref = WORKLOADS[args.model]["reference_losses"]
-    print(f"{args.model}, {args.steps} steps ({args.warmup} warmup), cache_chunks={args.cache_chunks}, "
+    print(f"{args.model}, {args.steps} steps ({args.warmup} warmup, turns of {args.block}), "
+          f"chunk_size={args.chunk_size or 'auto'}, cache_chunks={args.cache_chunks}, "
           f"check_order={args.check_order}; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
     print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
@@ -217,9 +275,9 @@ def print_table(rows, machine, args):
 
 
 def timing_arguments(ap: argparse.ArgumentParser) -> None:
-    """--steps, --warmup, --phase-sync, --json and --model, as timed_steps reads them (deepspeed_step.py
-    shares them)."""
+    """--steps, --warmup, --block, --phase-sync, --json and --model, as interleaved_steps reads them."""
     ap.add_argument("--steps", type=int, default=20, help="steps per system, warmup included")
+    ap.add_argument("--block", type=int, default=5, help="steps of one system in a row before the next system's turn")
     ap.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
     ap.add_argument("--phase-sync", action="store_true",
                     help="on CUDA, torch.cuda.synchronize() at each phase boundary so each phase holds its own "
@@ -236,14 +294,20 @@ def check_timing(ap: argparse.ArgumentParser, args) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     timing_arguments(ap)
-    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS + DEEPSPEED_SYSTEMS))
     ap.add_argument("--cache-chunks", type=int, default=None, help="stage 3 rCache size (default unlimited)")
+    ap.add_argument("--chunk-size", type=int, default=None, help="zeroshard chunk capacity in elements (default auto)")
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
+    unknown = sorted(set(systems) - set(ALL_SYSTEMS + DEEPSPEED_SYSTEMS))
     if unknown:
-        ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS}")
+        ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS + DEEPSPEED_SYSTEMS}")
+    deepspeed = None
+    if any(s in DEEPSPEED_SYSTEMS for s in systems):
+        from deepspeed_step import import_deepspeed
+        deepspeed = import_deepspeed()
     check_timing(ap, args)
 
     import transformers
@@ -254,11 +318,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     data = make_data(args.model, args.steps, world)
 
-    rows = []
-    for name in systems:
-        if rank == 0:
-            print(f"running {name} ...", flush=True)
-        rows.append(run(name, args, data))
+    rows = run(systems, args, data)
 
     by_name = {r["system"]: r for r in rows}
     ddp, zs0 = by_name.get("ddp"), by_name.get("zs0")
@@ -266,13 +326,16 @@ def main():
         r["vs_ddp"] = r["median_s"] / ddp["median_s"] if ddp else None
         r["mismatch"] = bool(zs0) and any(abs(a - b) > 1e-4 for a, b in zip(r["losses"], zs0["losses"]))
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-               "world": world, "threads": torch.get_num_threads()}
+               "world": world, "threads": torch.get_num_threads(),
+               "deepspeed": deepspeed.__version__ if deepspeed else None}
     if rank == 0:
         print_table(rows, machine, args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"workload": args.model, "machine": machine, "steps": args.steps, "warmup": args.warmup,
+                           "block": args.block,
                            "phase_sync": args.phase_sync, "cache_chunks": args.cache_chunks,
+                           "chunk_size": args.chunk_size,
                            "check_order": args.check_order,
                            "reference_losses": WORKLOADS[args.model]["reference_losses"], "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")

@@ -22,7 +22,13 @@ pytest.importorskip("matplotlib")  # a declared test dependency; the import is w
 
 def recorded(stage, world=1, rank=0, config=None, steps=2):
     """Train 3 steps, recording steps 2-3. Returns (engine, timeline)."""
-    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": stage, "cache_chunks": 2, **(config or {})})
+    model = tiny_gpt2()
+    numels = [p.numel() for p in model.parameters()]
+    # Several chunks, so a 2-chunk cache and constant-size gradient buffers mean something (the
+    # default chunk size packs a model this small into one).
+    chunk = max(max(numels), sum(numels) // 8)
+    engine = zeroshard.initialize(model, make_adamw, {"stage": stage, "cache_chunks": 2, "chunk_size": chunk,
+                                                      **(config or {})})
     data = batches(3, world, 1)
     train(engine, data[:1], rank)
     timeline = engine.record_memory(steps=steps)

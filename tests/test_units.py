@@ -55,6 +55,8 @@ def test_pack_keeps_order_and_never_straddles():
 def test_auto_chunk_size_holds_largest_param():
     assert auto_chunk_size([10, 1000, 20]) >= 1000
     assert auto_chunk_size([1 << 20] * 64) == 1 << 23  # an eighth of the model
+    assert auto_chunk_size([1 << 10] * 64) == 1 << 22  # a small model: one chunk of the efficient size
+    assert auto_chunk_size([1 << 24] * 64) == 1 << 26  # at most 64M elements
 
 
 def _chunk(stage, rank, world, numels=(5, 7, 3), dtype=torch.float32):

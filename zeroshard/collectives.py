@@ -4,6 +4,7 @@ Every collective zeroshard issues goes through `Comm`, which
 - counts payload elements the way the ZeRO paper counts volume: an all-reduce of M elements counts
   2M, a reduce-scatter or all-gather counts M, M being the full (unsharded) size;
 - handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
+  on gloo it is an all-to-all and a local sum (see `reduce_scatter_sum`);
 - turns a world of one process (no process group) into local copies, so world size 1 runs the same
   code path as world size N;
 - runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
@@ -60,11 +61,12 @@ def init_process_group(device: torch.device | None = None) -> None:
         dist.init_process_group(backend, timeout=TIMEOUT)
 
 
-class _Staged:
-    """A collective on host copies of CUDA tensors (gloo group): `wait()` copies the result back."""
+class _Then:
+    """A collective's work that runs `then()` once, when first waited for (a copy back from the
+    host, the local sum of an all-to-all)."""
 
-    def __init__(self, work, host: torch.Tensor, dest: torch.Tensor):
-        self.work, self.host, self.dest = work, host, dest
+    def __init__(self, work, then):
+        self.work, self.then = work, then
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
@@ -73,8 +75,13 @@ class _Staged:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            self.dest.copy_(self.host)
+            self.then()
         return True
+
+
+def _staged(work, host: torch.Tensor, dest: torch.Tensor) -> _Then:
+    """A collective on host copies of CUDA tensors (gloo group): `wait()` copies the result back."""
+    return _Then(work, lambda: dest.copy_(host))
 
 
 class Comm:
@@ -91,9 +98,9 @@ class Comm:
         self.counting = True
         self.sequencer: Sequencer | None = None  # with order checks on (enable_order_checks)
         self.pass_index = 0  # forward-backward passes this rank has run: part of every order tag
+        self.gloo = self.distributed and dist.get_backend(group) == dist.Backend.GLOO
         # gloo carries CUDA tensors through host copies (see init_process_group)
-        self.staged = (self.distributed and device.type == "cuda"
-                       and dist.get_backend(group) == dist.Backend.GLOO)
+        self.staged = self.gloo and device.type == "cuda"
         self.control_device = torch.device("cpu") if self.staged else device
 
     def enable_order_checks(self) -> None:
@@ -182,7 +189,7 @@ class Comm:
         if self.staged:
             def collective():
                 host = torch.empty(full.shape, dtype=full.dtype)
-                return _Staged(_all_gather_single(host, shard.cpu(), group=self.group, async_op=True), host, full)
+                return _staged(_all_gather_single(host, shard.cpu(), group=self.group, async_op=True), host, full)
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
@@ -190,18 +197,35 @@ class Comm:
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
-        (NCCL and gloo both accept an output that is the input's own slot.)"""
+        (NCCL accepts an output that is the input's own slot.)
+
+        On gloo it is an all-to-all (each rank receives every rank's copy of its slot: the bytes a
+        reduce-scatter moves) and a local sum in rank order when waited for: for 13 MB between 2
+        ranks here gloo's own reduce-scatter took 21 ms, its all-reduce 13 ms, the all-to-all and
+        sum 12 ms. It holds a receive buffer of len(full) until then."""
         self._count(full.numel())
         if self.world == 1:
             return None
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
+
+        def exchange(src: torch.Tensor, dest: torch.Tensor, then=None) -> _Then:
+            received = torch.empty_like(src)
+            work = dist.all_to_all_single(received, src, group=self.group, async_op=True)
+
+            def total():
+                torch.sum(received.view(self.world, s), 0, out=dest)
+                if then is not None:
+                    then()
+            return _Then(work, total)
         if self.staged:
             def collective():
                 host = full.cpu()
                 host_shard = host[self.rank * s:(self.rank + 1) * s]
-                return _Staged(_reduce_scatter_single(host_shard, host, group=self.group, async_op=True),
-                               host_shard, shard)
+                return exchange(host, host_shard, lambda: shard.copy_(host_shard))
+        elif self.gloo:
+            def collective():
+                return exchange(full, shard)
         else:
             def collective():
                 return _reduce_scatter_single(shard, full, group=self.group, async_op=True)
@@ -215,7 +239,7 @@ class Comm:
         if self.staged:
             def collective():
                 host = t.cpu()
-                return _Staged(dist.all_reduce(host, group=self.group, async_op=True), host, t)
+                return _staged(dist.all_reduce(host, group=self.group, async_op=True), host, t)
         else:
             def collective():
                 return dist.all_reduce(t, group=self.group, async_op=True)
@@ -261,5 +285,5 @@ class Comm:
             if not self.staged:
                 return collective(t)
             host = t.cpu()
-            return _Staged(collective(host), host, t)
+            return _staged(collective(host), host, t)
         self._issue(None, run, async_op=False)

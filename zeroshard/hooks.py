@@ -198,13 +198,23 @@ class ArrivalGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.pending:
-            flat, _ = tree_flatten((args, kwargs))
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.layout is torch.strided and t.device.type != "meta":
-                    c = self.pending.pop(t.untyped_storage().data_ptr(), None)
-                    if c is not None:
-                        c.await_arrival()
+            # Every torch call of the forward comes through here while chunks arrive: a tensor is
+            # looked for among the arguments and one level into lists and tuples (torch.cat's
+            # operands), not with a full pytree walk, which cost a tenth of the forward.
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    self._wait_for(a)
+                elif isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, torch.Tensor):
+                            self._wait_for(t)
         return func(*args, **kwargs)
+
+    def _wait_for(self, t: torch.Tensor) -> None:
+        if t.layout is torch.strided and not t.is_meta:
+            c = self.pending.pop(t.untyped_storage().data_ptr(), None)
+            if c is not None:
+                c.await_arrival()
 
     @staticmethod
     def _stack() -> list:
