@@ -366,9 +366,28 @@ class Chunk:
         self.grad_state = GradState.ACCUMULATING
 
     def end_backward(self) -> None:
-        """The backward pass is over (its reductions finished): the next one starts afresh."""
+        """The backward pass is over (its reductions finished): the next one starts afresh. At stages
+        0-1 a reduced buffer stays REDUCED until the step clears it or another backward pass of the
+        same step reopens it (`reopen`)."""
         assert self.grad_state is not GradState.REDUCING, self.grad_state
         self.grads_seen = 0
+        if self.stage >= 2 or self.grad_state is not GradState.REDUCED:
+            self.grad_state = GradState.ACCUMULATING
+
+    def reopen(self) -> None:
+        """Stages 0-1, another backward pass before the step (several backward calls per step): the
+        buffer holds this step's reduced sum, which the next reduction would count again on every
+        rank. So each rank keeps it only in its own slot (where stage 1 keeps it and no other rank
+        does; with the optimizer on the host, where the sum went already, nowhere): the next
+        reduction then adds every slot's earlier sum exactly once."""
+        assert self.stage <= 1 and self.grad_state is GradState.REDUCED, (self.stage, self.grad_state)
+        if self.placement.optimizer_on_host:
+            self._fold_host_grad()  # the copy to the host reads the buffer
+            self.grad_full.zero_()
+        else:
+            lo, hi = self.shard_range
+            self.grad_full[:lo].zero_()
+            self.grad_full[hi:].zero_()
         self.grad_state = GradState.ACCUMULATING
 
     def zero_grad(self) -> None:
@@ -382,6 +401,7 @@ class Chunk:
             self.grad_shard = None
             self.grad_full = None
         self.grads_seen = 0
+        self.grad_state = GradState.ACCUMULATING
 
     # -- accounting ----------------------------------------------------------------------------
     def state_bytes(self) -> list[tuple[str, bool, int]]:

@@ -220,7 +220,7 @@ class Engine:
         assert self.phase is TrainingPhase.IDLE, self.phase
         self.phase = TrainingPhase.BACKWARD
         self.comm.pass_index = self.micro_steps
-        self.reducer.begin(ends_window=(self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0)
+        self.reducer.begin(self.chunks, ends_window=(self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0)
 
     def _abandon_backward(self) -> None:
         """A backward raised: drop its reductions so the engine can go on. Gradients it already
@@ -264,8 +264,8 @@ class Engine:
         Returns True when an update was applied (False between boundaries or on fp16 overflow)."""
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: step() called while the engine is in {self.phase.value}")
-        if self.micro_steps == 0 or self.micro_steps % self.config.gradient_accumulation_steps:
-            return False
+        if not self.grads_pending or self.micro_steps % self.config.gradient_accumulation_steps:
+            return False  # no backward since the last step: torch changes no parameter without a .grad
         self.comm.agree(STEP)  # a rank a micro-batch or a step apart raises here or in its peers' hooks
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP

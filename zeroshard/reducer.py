@@ -8,7 +8,9 @@ when backward ends (parameters that got no gradient, gradients that came late) i
 chunk order, so every rank issues the same collectives in the same order.
 
 The per-chunk state (GradState: ACCUMULATING -> REDUCING -> REDUCED) lives on the chunk; this module
-decides the transitions. It issues only reductions; the engine says where a backward pass begins and
+decides the transitions. At stages 0-1 the reduced gradient stays in its buffer (REDUCED) until the
+step; another backward pass before that step reopens it (Chunk.reopen), so gradients add up over
+several backward calls as they do in torch's .grad. It issues only reductions; the engine says where a backward pass begins and
 ends and hands over each gradient as autograd accumulates it.
 """
 from __future__ import annotations
@@ -30,9 +32,14 @@ class GradientReducer:
         self.reduce_now = False  # this backward pass reduces (stages 2-3 always; 0-1 at a window's end)
         self._in_flight: collections.deque[Chunk] = collections.deque()  # stages 2-3, oldest first
 
-    def begin(self, ends_window: bool) -> None:
-        """A backward pass starts; `ends_window`: its micro-batch is the last before a step."""
+    def begin(self, chunks: list[Chunk], ends_window: bool) -> None:
+        """A backward pass starts; `ends_window`: its micro-batch is the last before a step. At
+        stages 0-1 a chunk already reduced for this step (an earlier backward call before the same
+        step) is reopened, so its earlier sum is not reduced twice."""
         self.reduce_now = self.stage >= 2 or ends_window
+        for c in chunks:
+            if c.grad_state is GradState.REDUCED:
+                c.reopen()
 
     def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         """Accumulate one parameter's gradient into its chunk. One that arrives after the chunk's

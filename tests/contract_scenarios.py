@@ -1,0 +1,98 @@
+"""Multi-process halves of tests/test_contract.py (issue 14, the PyTorch contract): ordinary PyTorch
+training code run through the engine must train what plain PyTorch trains on the global batch.
+
+`run(rank, world, out_path)` runs every scenario on each rank of a spawned group; rank 0 writes
+{name: figures} as JSON. A scenario that raises records {"error": "<Type>: <message>"}.
+"""
+from __future__ import annotations
+
+import json
+import traceback
+
+import zeroshard
+from models import batches, make_adamw, make_sgd, max_diff, tiny_gpt2
+
+SCENARIOS = {}
+OPTIMIZERS = {"sgd": make_sgd, "adamw": make_adamw}
+
+
+def loss_of(m, x):
+    return m(input_ids=x, labels=x).loss
+
+
+def parts_reference(data, make_opt, extra_steps: int = 0):
+    """Plain PyTorch on the global batch, several backward passes per step: data is
+    [steps, parts, world, batch, seq]; each part's loss is the mean over every rank's rows of that
+    part, and its backward adds to .grad (no scaling between parts), then one optimizer step.
+    `extra_steps` more optimizer steps follow each one with no backward in between (torch skips
+    parameters whose .grad is None: they change nothing)."""
+    model = tiny_gpt2()
+    opt = make_opt(list(model.parameters()))
+    for step in data:
+        for part in step:
+            loss_of(model, part.reshape(-1, part.shape[-1])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for _ in range(extra_steps):
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _add(name, fn):
+    for opt in OPTIMIZERS:
+        for stage in range(4):
+            SCENARIOS[f"{name}_{opt}_stage{stage}"] = (lambda rank, world, opt=opt, stage=stage:
+                                                      fn(rank, world, OPTIMIZERS[opt], stage))
+
+
+def two_backwards_per_step(rank, world, make_opt, stage, extra=None):
+    """A loss computed in two parts, each part's backward called before one step (a chunked loss, a
+    head called alone), gradient_accumulation_steps=1: the gradients add up, as two
+    loss.backward() calls do in PyTorch (issue 14, defect 3: stages 0-1 reduced the reduced buffer
+    again, so the first part counted about `world` times)."""
+    data = batches(3, world, 2, accumulation=2)
+    ref = parts_reference(data, make_opt)
+    engine = zeroshard.initialize(tiny_gpt2(), make_opt, {"stage": stage, "chunk_size": 20000, **(extra or {})})
+    applied = []
+    for step in data:
+        for part in step:
+            engine.backward(loss_of(engine, part[rank]))
+        applied.append(engine.step())
+    return {"diff": max_diff(engine.full_state_dict(), ref), "applied": applied}
+
+
+def step_without_backward(rank, world, make_opt, stage):
+    """step() with no backward since the last step, before training starts and after every step:
+    nothing changes, as torch's optimizer changes no parameter whose .grad is None, and step()
+    returns False (issue 14, defect 4: an AdamW update was applied again, momentum moved SGD)."""
+    data = batches(3, world, 2)
+    ref = parts_reference(data, make_opt, extra_steps=1)
+    engine = zeroshard.initialize(tiny_gpt2(), make_opt, {"stage": stage, "chunk_size": 20000})
+    extra = [engine.step()]
+    for step in data:
+        engine.backward(loss_of(engine, step[0, rank]))
+        engine.step()
+        extra.append(engine.step())
+    return {"diff": max_diff(engine.full_state_dict(), ref), "extra_applied": extra, "steps": engine.steps}
+
+
+_add("two_backwards", two_backwards_per_step)
+for _stage in (1, 2, 3):  # the reduced gradient goes to the host after each reduction
+    SCENARIOS[f"two_backwards_offload_sgd_stage{_stage}"] = (
+        lambda rank, world, stage=_stage: two_backwards_per_step(rank, world, make_sgd, stage,
+                                                                 {"offload_optimizer": True}))
+_add("step_without_backward", step_without_backward)
+
+
+def run(rank, world, out_path, only=None):
+    results = {}
+    for name, fn in SCENARIOS.items():
+        if only and name not in only:
+            continue
+        try:
+            results[name] = fn(rank, world)
+        except Exception as e:  # recorded; the test for this scenario decides
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-3)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, default=str)
