@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import traceback
 
+import torch
+
 import zeroshard
 from models import batches, make_adamw, make_sgd, max_diff, tiny_gpt2
 
@@ -82,6 +84,53 @@ for _stage in (1, 2, 3):  # the reduced gradient goes to the host after each red
         lambda rank, world, stage=_stage: two_backwards_per_step(rank, world, make_sgd, stage,
                                                                  {"offload_optimizer": True}))
 _add("step_without_backward", step_without_backward)
+
+
+class TwoBranches(torch.nn.Module):
+    """y = a(h) + 2 b(h): `flip` computes 2 b(h) + a(h) instead, the same values (addition commutes)
+    with the parameters first used in another order."""
+
+    def __init__(self, flip=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+        self.flip = flip
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        y = 2 * self.b(h) + self.a(h) if self.flip else self.a(h) + 2 * self.b(h)  # a's, b's gradients differ
+        return self.head(torch.tanh(y))
+
+
+def first_forward_differs(rank, world, stage):
+    """Odd ranks use the parameters in another order than even ones (data-dependent control flow):
+    every rank must pack chunks alike, here in rank 0's first-use order (issue 14, defect 2: each
+    rank re-packed in its own order; stage 0 then summed gradients of different parameters with no
+    error, stages 1-2 hung in the re-pack's all-gather). Stage 3 gathers chunks in another order on
+    odd ranks in every forward: DivergedError on every rank is the right outcome there."""
+    g = torch.Generator().manual_seed(5)
+    data = torch.randn(3, world, 4, 8, generator=g)
+    ref = TwoBranches()
+    opt = make_sgd(list(ref.parameters()))
+    for step in data:
+        ref(step.reshape(-1, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    engine = zeroshard.initialize(TwoBranches(flip=rank % 2 == 1), make_sgd, {"stage": stage, "chunk_size": 300})
+    for step in data:
+        engine.backward(engine(step[rank]).pow(2).mean())
+        engine.step()
+    mine = {k: v.tolist() for k, v in engine.full_state_dict().items()}
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine) if world > 1 else everyone.__setitem__(0, mine)
+    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()), "ranks_agree": all(e == mine for e in everyone),
+            "chunks": [[s.name for s in c.slots] for c in engine.chunks]}
+
+
+for _stage in range(4):  # last: at stage 3 it ends in DivergedError
+    SCENARIOS[f"first_forward_differs_stage{_stage}"] = lambda rank, world, stage=_stage: first_forward_differs(
+        rank, world, stage)
 
 
 def run(rank, world, out_path, only=None):

@@ -188,19 +188,28 @@ def fp16_overflow_on_one_rank(rank, world):
 
 
 def _add_diverge():
+    def second_loss(m, x, r):  # rank 0 alone also runs a module the others skip
+        out = m(x)
+        if r == 0:
+            out = out + m.unused(torch.zeros(24)).sum()
+        return out.pow(2).mean()
+
     for stage in (2, 3):
         def fn(rank, world, stage=stage):
+            xs = quirky_data(1, world)[0, 0]
+            # Plain PyTorch on the global batch: the mean of every rank's loss.
+            ref = Quirky()
+            opt = make_sgd(list(ref.parameters()))
+            for loss in (lambda r: quirky_loss(ref, xs[r]), lambda r: second_loss(ref, xs[r], r)):
+                (sum(loss(r) for r in range(world)) / world).backward()
+                opt.step()
+                opt.zero_grad()
             engine = zeroshard.initialize(Quirky(), make_sgd, {"stage": stage, "chunk_size": 600})
-            x = quirky_data(1, world)[0, 0, rank]
-            engine.backward(quirky_loss(engine, x))
+            engine.backward(quirky_loss(engine, xs[rank]))
             engine.step()
-            # Rank 0 alone now also runs a module the others skip.
-            out = engine(x)
-            if rank == 0:
-                out = out + engine.module.unused(torch.zeros(24)).sum()
-            engine.backward(out.pow(2).mean())
+            engine.backward(second_loss(engine, xs[rank], rank))
             engine.step()
-            return {"error": None}
+            return {"error": None, "diff": max_diff(engine.full_state_dict(), ref.state_dict())}
         SCENARIOS[f"diverged_order_stage{stage}"] = fn
 
 

@@ -17,11 +17,51 @@ from zeroshard.config import Config, load_config
     ("stage", 4, "0, 1, 2, 3 or 'auto'"), ("stage", True, "0, 1, 2, 3 or 'auto'"), ("precision", "fp8", "'bf16'"),
     ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),
     ("chunk_size", "big", "'auto'"), ("cache_chunks", 0, ">= 1"), ("prefetch", 1, "true or false"),
+    ("initial_loss_scale", float("inf"), "finite"), ("initial_loss_scale", float("nan"), "finite"),
+    ("initial_loss_scale", 0.0, "> 0"),
 ])
 def test_bad_config_value_names_key_and_valid_values(key, value, valid):
     with pytest.raises(ValueError) as e:
         load_config({key: value})
     assert key in str(e.value) and valid in str(e.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage3_only_keys_warn_below_stage3(stage):
+    with pytest.warns(UserWarning, match=f"cache_chunks=2 has no effect at stage {stage}"):
+        load_config({"stage": stage, "cache_chunks": 2})
+    with pytest.warns(UserWarning, match=f"prefetch=False has no effect at stage {stage}"):
+        load_config({"stage": stage, "prefetch": False})
+
+
+def test_stage3_keys_at_stage3_do_not_warn():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"stage": 3, "cache_chunks": 2, "prefetch": False})
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_engine_attributes_fall_through_to_the_model(stage):
+    """As DeepSpeed's engine: engine.config is the transformers config, engine.generate generates
+    (the same tokens as a plain copy of the trained weights, at stage 3 through the gather hooks)."""
+    from models import make_sgd, tiny_gpt2
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 20000})
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=x, labels=x).loss)
+    engine.step()
+    assert type(engine.config).__name__ == "GPT2Config" and engine.config.n_layer == 2
+    assert engine.zeroshard_config.stage == stage
+    plain = tiny_gpt2()
+    plain.load_state_dict(engine.full_state_dict())
+    engine.eval()
+    plain.eval()
+    with torch.no_grad():
+        got = engine.generate(x[:, :4], max_new_tokens=3, do_sample=False)
+        want = plain.generate(x[:, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, want)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        engine.no_such_thing
 
 
 def test_unknown_config_key_lists_valid_keys():

@@ -520,8 +520,8 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
 def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> None:
     """Rank 0, once every rank's shards are written: the side files, the checksums, then the commit."""
     meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "world": engine.comm.world, "stage": engine.stage, "precision": engine.config.precision,
-            "config": engine.config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
+            "world": engine.comm.world, "stage": engine.stage, "precision": engine.zeroshard_config.precision,
+            "config": engine.zeroshard_config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
             "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
             "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
             **describe_model(engine), "optim_state": _optim_kinds(engine),
@@ -601,7 +601,7 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
         log.info("zeroshard: checkpoint saved at world %d: ranks %d.. keep their own RNG state",
                  meta["world"], meta["world"])
     if comm.rank == 0:
-        now = engine.config.to_dict()
+        now = engine.zeroshard_config.to_dict()
         changed = {k: (v, now.get(k)) for k, v in meta["config"].items() if now.get(k) != v}
         log.info("zeroshard: loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
                  "in %.2f s%s", found, meta["world"], meta["stage"], comm.world, engine.stage,

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,8 +121,8 @@ class Config:
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")
         if isinstance(self.initial_loss_scale, bool) or not isinstance(self.initial_loss_scale, (int, float)) \
-                or not self.initial_loss_scale > 0:
-            bad("initial_loss_scale", "a number > 0")
+                or not 0 < self.initial_loss_scale < math.inf:
+            bad("initial_loss_scale", "a finite number > 0")
         if not is_int(self.loss_scale_window) or self.loss_scale_window < 1:
             bad("loss_scale_window", "an integer >= 1")
 
@@ -145,6 +147,13 @@ class Config:
         if self.offload_optimizer and self.stage == 0:
             raise ValueError("zeroshard config: offload_optimizer=True needs stage >= 1 (stage 0 keeps a "
                              "whole optimizer on every rank; stage 1 shards it, then offloads each shard)")
+        if self.stage in (0, 1, 2):  # keys that only stage 3 reads: said once, not silently ignored
+            if self.cache_chunks is not None:
+                warnings.warn(f"zeroshard config: cache_chunks={self.cache_chunks} has no effect at stage "
+                              f"{self.stage}: only stage 3 gathers chunks into a cache", stacklevel=3)
+            if self.prefetch is not True:
+                warnings.warn(f"zeroshard config: prefetch={self.prefetch} has no effect at stage {self.stage}: "
+                              "only stage 3 gathers (and prefetches) chunks", stacklevel=3)
         if self.offload_params and self.stage != 3:
             raise ValueError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")

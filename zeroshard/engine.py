@@ -63,7 +63,7 @@ class Engine:
             self.plan, self.profile = plan_for(module, example_inputs, make_opt, config, self.device, self.comm)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
-        self.config = config
+        self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
         self.placement = Placement(optimizer_on_host=config.offload_optimizer,
                                    params_on_host=config.offload_params)
         self.module = module
@@ -82,15 +82,13 @@ class Engine:
 
         numels = [p.numel() for p in self.params]
         cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
-        # The config's placement, or the plan's for each chunk.
         placement_of = (lambda i: self.placement) if self.plan is None else (lambda i: self.plan.placement(i, self.stage))
         self.layout = ChunkLayout(self.names, self.shapes, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                   device=self.device, transfer=self.transfer, capacity=max(cap, max(numels)),
-                                  placement_of=placement_of)
+                                  placement_of=placement_of)  # the config's placement, or the plan's per chunk
         self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch)
-        self.reducer = GradientReducer(self.comm, self.stage)
-        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) \
-            if config.precision == "fp16" else None
+        self.reducer = GradientReducer(self.comm, self.stage, config.gradient_accumulation_steps)
+        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
         host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
         make_opt = make_opt or default_optimizer(host=host)
         delayed = config.delay_update_after is not None
@@ -131,6 +129,12 @@ class Engine:
             self.cache.set_schedule(profiled_sequence(self.profile, self.module, self.layout.chunks_of))
             log.info("zeroshard: %s", self.plan.describe())
 
+    def __getattr__(self, name: str):
+        """What the engine lacks comes from the module (as DeepSpeed's): `engine.config`, `.generate()`."""
+        if "module" not in self.__dict__ or name.startswith("__"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        return getattr(self.module, name)
+
     @property
     def chunks(self) -> list[Chunk]:
         return self.layout.chunks
@@ -161,10 +165,8 @@ class Engine:
                 out = self.module(*args, **kwargs)
         else:
             out = self.module(*args, **kwargs)
-        if recording:  # re-pack in order of first use (unused parameters last)
-            used = self.layout.recorder.order
-            seen = {id(p) for p in used}
-            self.fix_layout(used + [p for p in self.params if id(p) not in seen])
+        if recording:  # re-pack in order of first use, rank 0's on every rank
+            self.fix_layout(self.layout.first_use_order(self.params))
         if tracking:
             self.timeline.sample("forward")
         self._settle()  # chunks this forward did not use
@@ -173,9 +175,8 @@ class Engine:
     forward = __call__
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
-        """Make the chunk layout final (`engine.layout.final`): re-pack the chunks in `order` if that
-        differs, then stop recording first use. Re-packing needs an optimizer with one group and no
-        state (RuntimeError otherwise)."""
+        """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
+        recording first use. Re-packing needs an optimizer with one group and no state."""
         if self.layout.final:
             return
         if order is not None and self.layout.differs(order):
@@ -186,8 +187,7 @@ class Engine:
         self.layout.finalize()
 
     def _to_device(self, tree):
-        """Inputs onto the device, floating ones in the compute dtype, through any container torch's
-        pytree knows (tuples, namedtuples, lists, dicts, ...)."""
+        """Inputs onto the device, floating ones in the compute dtype, through any pytree container."""
         cast = lambda x: x.to(self.dtype) if x.is_floating_point() else x  # noqa: E731
         return tree_map_only(torch.Tensor, lambda x: cast(x).to(self.device, non_blocking=True), tree)
 
@@ -220,7 +220,7 @@ class Engine:
         assert self.phase is TrainingPhase.IDLE, self.phase
         self.phase = TrainingPhase.BACKWARD
         self.comm.pass_index = self.micro_steps
-        self.reducer.begin(self.chunks, ends_window=(self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0)
+        self.reducer.begin(self.chunks, self.micro_steps)
 
     def _abandon_backward(self) -> None:
         """A backward raised: drop its reductions so the engine can go on. Gradients it already
@@ -264,7 +264,7 @@ class Engine:
         Returns True when an update was applied (False between boundaries or on fp16 overflow)."""
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: step() called while the engine is in {self.phase.value}")
-        if not self.grads_pending or self.micro_steps % self.config.gradient_accumulation_steps:
+        if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
             return False  # no backward since the last step: torch changes no parameter without a .grad
         self.comm.agree(STEP)  # a rank a micro-batch or a step apart raises here or in its peers' hooks
         self._settle()  # the last update's all-gathers write the storage this update steps
@@ -334,7 +334,7 @@ class Engine:
 
     def record_memory(self, steps: int | None = 1) -> MemoryTimeline:
         """Record this rank's memory (bytes, by kind: timeline.py) over the next `steps` optimizer
-        steps (None: until `.stop()`). Returns the timeline, also at `engine.timeline`."""
+        steps (None: until `.stop()`). Returns the timeline (also `engine.timeline`)."""
         if self.timeline is not None:
             self.timeline.stop()
         self.timeline = MemoryTimeline(self, steps)

@@ -106,6 +106,22 @@ class ChunkLayout:
         stage 3's, which put the real parameters in place: install them after those."""
         self.recorder = FirstUseRecorder(module)
 
+    def first_use_order(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Collective: `params` in the order the recorded forward first used them (unused ones last),
+        as rank 0 recorded it. Ranks whose first forward differed (data-dependent control flow)
+        would otherwise pack different chunks and pair collectives of different parameters (stage
+        0: silently wrong sums; stages 1-2: a hang in the re-pack's all-gather)."""
+        seen = {id(p) for p in self.recorder.order}
+        order = self.recorder.order + [p for p in params if id(p) not in seen]
+        if self.comm.world == 1:
+            return order
+        index = {id(p): i for i, p in enumerate(params)}
+        orders = self.comm.all_gather_objects([index[id(p)] for p in order])
+        if any(o != orders[0] for o in orders) and self.comm.rank == 0:
+            log.warning("zeroshard: ranks used the parameters in different orders in their first forward; "
+                        "every rank packs chunks in rank 0's order")
+        return [params[i] for i in orders[0]]
+
     def finalize(self) -> None:
         """No re-pack from now on: stop recording first use."""
         if self.recorder is not None:

@@ -3,9 +3,10 @@
 - Stages 0-1 keep the full gradient for the whole step and reduce only in the backward pass of the
   micro-batch that ends the step (all-reduce at 0, reduce-scatter at 1), as each chunk completes.
 - Stages 2-3 reduce-scatter in every micro-batch, as each chunk completes, and keep only their shard.
-A chunk is complete when every trainable parameter in it has its gradient. Whatever is not complete
-when backward ends (parameters that got no gradient, gradients that came late) is reduced then, in
-chunk order, so every rank issues the same collectives in the same order.
+A chunk is complete when every trainable parameter in it has its gradient. Reductions start in one
+order on every rank, last chunk first: a chunk complete before those ahead of it waits for them.
+Whatever is not complete when backward ends (parameters that got no gradient, gradients that came
+late) is reduced then, in that order, so every rank issues the same collectives in the same order.
 
 The per-chunk state (GradState: ACCUMULATING -> REDUCING -> REDUCED) lives on the chunk; this module
 decides the transitions. At stages 0-1 the reduced gradient stays in its buffer (REDUCED) until the
@@ -26,20 +27,28 @@ MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each
 
 
 class GradientReducer:
-    def __init__(self, comm: Comm, stage: int):
+    def __init__(self, comm: Comm, stage: int, accumulation: int):
         self.comm = comm
         self.stage = stage
+        self.accumulation = accumulation  # micro-batches per optimizer step
         self.reduce_now = False  # this backward pass reduces (stages 2-3 always; 0-1 at a window's end)
         self._in_flight: collections.deque[Chunk] = collections.deque()  # stages 2-3, oldest first
+        self._order: list[Chunk] = []  # this pass's reductions, in the order every rank issues them
+        self._next = 0  # index into _order of the next reduction to start
 
-    def begin(self, chunks: list[Chunk], ends_window: bool) -> None:
-        """A backward pass starts; `ends_window`: its micro-batch is the last before a step. At
-        stages 0-1 a chunk already reduced for this step (an earlier backward call before the same
-        step) is reopened, so its earlier sum is not reduced twice."""
-        self.reduce_now = self.stage >= 2 or ends_window
+    def begin(self, chunks: list[Chunk], micro_batch: int) -> None:
+        """A backward pass of micro-batch `micro_batch` (counted from 0) starts. At stages 0-1 it
+        reduces if that micro-batch ends an accumulation window, and a chunk already reduced for
+        this step (an earlier backward call before the same step) is reopened, so its earlier sum
+        is not reduced twice."""
+        self.reduce_now = self.stage >= 2 or (micro_batch + 1) % self.accumulation == 0
         for c in chunks:
             if c.grad_state is GradState.REDUCED:
                 c.reopen()
+        # Last packed first, the order in which backward usually completes chunks (they are packed
+        # in order of first use in forward).
+        self._order = [c for c in reversed(chunks) if c.trainable] if self.reduce_now else []
+        self._next = 0
 
     def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         """Accumulate one parameter's gradient into its chunk. One that arrives after the chunk's
@@ -51,17 +60,27 @@ class GradientReducer:
         chunk.grads_seen += 1
 
     def reduce_if_complete(self, chunk: Chunk) -> None:
-        if (self.reduce_now and chunk.grad_state is not GradState.REDUCING
-                and chunk.grads_seen == chunk.expected_grads):
-            self._start(chunk)
+        """Start the reductions of the chunks complete so far, in one order on every rank (as DDP
+        reduces its buckets): a chunk that completes before those ahead of it waits for them, so
+        ranks whose backward completes chunks in different orders (their forwards took other
+        branches) still issue the same reductions in the same order."""
+        while self._next < len(self._order):
+            c = self._order[self._next]
+            if c.grad_state is GradState.REDUCING or c.grads_seen != c.expected_grads:
+                return
+            self._next += 1
+            self._start(c)
             if self.stage >= 2:
-                self._in_flight.append(chunk)
+                self._in_flight.append(c)
                 self._finish_completed()
 
     def end(self, chunks: list[Chunk]) -> None:
         """The backward pass is over: reduce what is not reduced yet, wait for every reduction and
         fold it into the kept gradient."""
         self._in_flight.clear()
+        for c in self._order[self._next:]:  # not complete (a parameter got no gradient): in order
+            if c.grad_state is GradState.ACCUMULATING:
+                self._start(c)
         for c in chunks:
             if not c.trainable or not self.reduce_now:
                 continue
