@@ -1,18 +1,16 @@
 """Multi-process halves of tests/test_contract.py (issue 14, the PyTorch contract): ordinary PyTorch
 training code run through the engine must train what plain PyTorch trains on the global batch.
 
-`run(rank, world, out_path)` runs every scenario on each rank of a spawned group; rank 0 writes
-{name: figures} as JSON. A scenario that raises records {"error": "<Type>: <message>"}.
+`run(rank, world, out_path)` runs every scenario on each rank of a spawned group through
+scenarios.run_all (rank 0 writes {name: figures} as JSON; a scenario that raises records its error).
 """
 from __future__ import annotations
-
-import json
-import traceback
 
 import torch
 
 import zeroshard
 from models import batches, make_adamw, make_sgd, max_diff, tiny_gpt2
+from scenarios import _gather, run_all
 
 SCENARIOS = {}
 OPTIMIZERS = {"sgd": make_sgd, "adamw": make_adamw}
@@ -122,9 +120,8 @@ def first_forward_differs(rank, world, stage):
         engine.backward(engine(step[rank]).pow(2).mean())
         engine.step()
     mine = {k: v.tolist() for k, v in engine.full_state_dict().items()}
-    everyone = [None] * world
-    torch.distributed.all_gather_object(everyone, mine) if world > 1 else everyone.__setitem__(0, mine)
-    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()), "ranks_agree": all(e == mine for e in everyone),
+    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()),
+            "ranks_agree": all(e == mine for e in _gather(mine, world)),
             "chunks": [[s.name for s in c.slots] for c in engine.chunks]}
 
 
@@ -134,14 +131,4 @@ for _stage in range(4):  # last: at stage 3 it ends in DivergedError
 
 
 def run(rank, world, out_path, only=None):
-    results = {}
-    for name, fn in SCENARIOS.items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world)
-        except Exception as e:  # recorded; the test for this scenario decides
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-3)}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, default=str)
+    run_all(rank, world, out_path, only, registry=SCENARIOS)

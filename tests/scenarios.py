@@ -625,9 +625,10 @@ def _add_auto():
 _add_auto()
 
 
-def run_all(rank, world, out_path, only=None):
+def run_all(rank, world, out_path, only=None, registry=None):
+    """Run the scenarios of `registry` (default SCENARIOS; only those named in `only`, if given)."""
     results = {}
-    for name, fn in SCENARIOS.items():
+    for name, fn in (SCENARIOS if registry is None else registry).items():
         if only and name not in only:
             continue
         try:

@@ -255,7 +255,7 @@ class Engine:
         p.grad = None
         if self.timeline is not None:  # before finishing reductions: the most gradient buffers held
             self.timeline.sample("backward", slot.name)
-        self.reducer.reduce_if_complete(chunk)
+        self.reducer.start_complete()
         if self.hooks is not None:
             self.hooks.grad_arrived(p)
 

@@ -59,7 +59,7 @@ class GradientReducer:
         chunk.accumulate_grad(slot, grad)
         chunk.grads_seen += 1
 
-    def reduce_if_complete(self, chunk: Chunk) -> None:
+    def start_complete(self) -> None:
         """Start the reductions of the chunks complete so far, in one order on every rank (as DDP
         reduces its buckets): a chunk that completes before those ahead of it waits for them, so
         ranks whose backward completes chunks in different orders (their forwards took other
