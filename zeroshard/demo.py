@@ -40,10 +40,15 @@ def build(args, stage: int):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=args.seq,
                                        bos_token_id=0, eos_token_id=0))
-    return zeroshard.initialize(
-        model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0),
-        config={"stage": stage, "precision": args.precision, "cache_chunks": args.cache_chunks,
-                "clip_grad_norm": 1.0})
+    numels = [p.numel() for p in model.parameters()]
+    # Eight chunks or so, so stage 3's small rCache has chunks to cycle through (the default size
+    # packs a model this small into one chunk).
+    config = {"stage": stage, "precision": args.precision, "clip_grad_norm": 1.0,
+              "chunk_size": max(max(numels), sum(numels) // 8)}
+    if stage == 3:  # the rCache is stage 3's: other stages would only warn that it has no effect
+        config["cache_chunks"] = args.cache_chunks
+    return zeroshard.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0),
+                                config=config)
 
 
 def train_step(engine, x) -> torch.Tensor:
