@@ -37,3 +37,32 @@ def _entry(rank, world, port, fn, args):
 def spawn(world: int, fn, *args) -> None:
     """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails."""
     mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+class WorldResults:
+    """Runs `run(rank, world, out_path)` once per world size (rank 0 writes a JSON of figures) and
+    keeps what it wrote, or its failure: then every test of that world fails at once."""
+
+    def __init__(self, run, label: str):
+        self.run, self.label, self._cache = run, label, {}
+
+    def get(self, world: int, tmp_path_factory) -> dict:
+        import json
+        if world not in self._cache:
+            out = tmp_path_factory.mktemp(f"{self.label}{world}") / "results.json"
+            try:
+                spawn(world, self.run, str(out))
+                self._cache[world] = json.loads(out.read_text())
+            except BaseException as e:  # noqa: B036  (a timeout too)
+                self._cache[world] = e
+                raise
+        if isinstance(self._cache[world], BaseException):
+            raise RuntimeError(f"the world-{world} {self.label} scenarios did not run") from self._cache[world]
+        return self._cache[world]
+
+
+def ok(results: dict, name: str) -> dict:
+    """A scenario's figures, after checking it did not raise."""
+    got = results[name]
+    assert "error" not in got, f"{name}: {got.get('error')}\n{got.get('traceback')}"
+    return got

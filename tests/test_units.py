@@ -204,8 +204,18 @@ def test_single_process_without_torchrun(monkeypatch):
 
 def test_bad_optimizer_argument():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="callable"):  # an optimizer instance, the usual mistake
-        zeroshard.initialize(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="callable"):
+        zeroshard.initialize(model, optimizer="adamw")
+    with pytest.raises(ValueError, match="not a parameter of the model"):  # built over another model
+        zeroshard.initialize(model, optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="not a parameter of the model"):  # a factory that builds its own
+        zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=lambda ps: torch.optim.SGD([torch.nn.Parameter(
+            torch.ones(2))], lr=0.1))
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match="already has state"):
+        zeroshard.initialize(model, optimizer=stepped)
     with pytest.raises(ValueError, match="torch.optim.Optimizer"):
         zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=lambda ps: ps)
     engine = zeroshard.initialize(torch.nn.Linear(2, 2), optimizer=torch.optim.SGD)  # a class works

@@ -19,18 +19,25 @@ from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
+from .layout import FrozenParameterError
 from .profiler import Profile, profile
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
-           "DivergedError", "ShardedParameterError"]
+           "DivergedError", "FrozenParameterError", "ShardedParameterError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
                *, device: torch.device | str | None = None, example_inputs=None) -> Engine:
     """Wrap `model` for ZeRO data-parallel training.
 
-    optimizer: a callable taking the list of flat fp32 master tensors this rank owns and returning a
-        torch.optim.Optimizer; None gives AdamW(lr=1e-3) (zeroshard.CPUAdamW with offload_optimizer).
+    optimizer: a torch.optim.Optimizer built over the model's parameters, with any param groups (as
+        `AdamW(grouped_parameters, lr=...)` in a fine-tuning script; fresh: no state yet), which then
+        steps this rank's fp32 master pieces of them (an LR scheduler built on it keeps working); or
+        a callable taking the list of this rank's master pieces (fp32 tensors, one per parameter
+        with elements on this rank) and returning a torch.optim.Optimizer; None gives
+        AdamW(lr=1e-3) (zeroshard.CPUAdamW with offload_optimizer). Only elementwise optimizers
+        (SGD, Adam, AdamW, ...) train exactly as in torch at stages 1-3, where a piece may be part
+        of a parameter.
     config: a `Config`, a dict of its fields, or a path to a .json/.toml file with them.
     device: where compute runs; default cuda:LOCAL_RANK when CUDA is available, else the CPU.
     example_inputs: with offload/stage 'auto', one micro-batch as the model is called in training (a
@@ -39,9 +46,10 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
     The process group comes from torchrun's environment (gloo on CPU, NCCL on CUDA); without it the
     world is this one process.
     """
-    if optimizer is not None and not callable(optimizer):
-        raise ValueError("zeroshard.initialize: optimizer must be a callable taking a list of tensors "
-                         "(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), or None")
+    if optimizer is not None and not callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError("zeroshard.initialize: optimizer must be a torch.optim.Optimizer over the model's "
+                         "parameters, a callable taking a list of tensors (e.g. lambda ps: "
+                         "torch.optim.AdamW(ps, lr=1e-3)), or None")
     cfg = load_config(config)
     return Engine(model, optimizer, cfg, torch.device(device) if device is not None else None,
                   example_inputs=example_inputs)

@@ -302,33 +302,35 @@ def verify_all(path: str, sums: dict, comm=None) -> None:
 
 
 # -- what the engine holds, by the model's own names ------------------------------------------------
-def _elementwise(v, master) -> bool:
-    return torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape
+def _elementwise(v, piece) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == piece.shape
 
 
 def _optim_kinds(engine) -> dict[str, dict[str, str]]:
-    """{parameter name: {state name: 'elementwise' | 'tensor' | 'object'}} for trainable parameters
-    that have optimizer state."""
-    out = {}
+    """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'object'}} for every
+    parameter with optimizer state on some rank (one never stepped has none, as in torch)."""
+    mine, error = {}, None
     for c in engine.optim.chunks:
-        st = engine.optim.optimizer.state.get(c.master, {})
-        kinds = {}
-        for k, v in st.items():
-            if _elementwise(v, c.master):
-                kinds[k] = "elementwise"
-            elif torch.is_tensor(v) and v.numel() == 1:
-                kinds[k] = "tensor"
-            elif torch.is_tensor(v):
-                raise CheckpointError(f"zeroshard: optimizer state {k!r} has shape {tuple(v.shape)} for a shard of "
-                                      f"{tuple(c.master.shape)}: only elementwise states (and scalars) can be "
-                                      "saved independently of the sharding")
-            else:
-                kinds[k] = "object"
-        if kinds:
-            for s in c.slots:
-                if s.numel:  # an empty parameter has no elements, so no rank would save its scalars
-                    out[s.name] = kinds
-    return out
+        for pc in c.pieces:
+            kinds = {}
+            for k, v in engine.optim.optimizer.state.get(pc.param, {}).items():
+                if _elementwise(v, pc.param):
+                    kinds[k] = "elementwise"
+                elif torch.is_tensor(v) and v.numel() == 1:
+                    kinds[k] = "tensor"
+                elif torch.is_tensor(v):
+                    error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} has shape {tuple(v.shape)} for a "
+                             f"piece of {tuple(pc.param.shape)}: only elementwise states (and scalars) can be saved "
+                             "independently of the sharding")
+                else:
+                    kinds[k] = "object"
+            if kinds:
+                mine[pc.slot.name] = kinds
+    everyone = engine.comm.all_gather_objects((mine, error))
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return {name: kinds for got, _ in everyone for name, kinds in got.items()}
 
 
 def describe_model(engine) -> dict:
@@ -426,13 +428,14 @@ def _save_state(engine) -> dict:
         src = c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
         if not c.trainable:
             base = lo
-        states = opt.state.get(c.master, {}) if c.trainable else {}
+        piece_of = {id(pc.slot): pc for pc in c.pieces}
         for s, start, a, b in _runs(c, lo, hi):
             out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start)
-            for k, v in states.items():
+            pc = piece_of.get(id(s))
+            for k, v in (opt.state.get(pc.param, {}) if pc is not None else {}).items():
                 key = f"optim.state.{s.name}.{k}"
-                if _elementwise(v, c.master):
-                    out[key] = Piece(v.detach()[a - base:b - base], s.shape, start)
+                if _elementwise(v, pc.param):
+                    out[key] = Piece(v.detach().reshape(-1)[a - pc.lo:b - pc.lo], s.shape, start)
                 elif start == 0:
                     out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
     if engine.comm.rank == 0:
@@ -469,6 +472,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
     if engine.grads_pending:
         raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
                               "would be lost); save after engine.step() has applied the update")
+    kinds = _optim_kinds(engine)
     tag = tag if tag is not None else f"step{engine.steps}"
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
@@ -499,7 +503,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
         error = next((x for x in everyone if isinstance(x, str)), None)
         if comm.rank == 0 and error is None:
             try:
-                _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state)
+                _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
             except Exception as e:  # reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = comm.broadcast_object(error)
@@ -517,14 +521,14 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
     return final
 
 
-def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state) -> None:
+def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kinds: dict) -> None:
     """Rank 0, once every rank's shards are written: the side files, the checksums, then the commit."""
     meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world": engine.comm.world, "stage": engine.stage, "precision": engine.zeroshard_config.precision,
             "config": engine.zeroshard_config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
             "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
             "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
-            **describe_model(engine), "optim_state": _optim_kinds(engine),
+            **describe_model(engine), "optim_state": kinds,
             "hf_config": _hf_config(engine.module)}
     _write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
@@ -573,14 +577,13 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     saved = FileSystemReader(found).read_metadata().state_dict_metadata
     small = _small_state(engine, kinds, meta, saved)
     dcp_load(small, found, comm)
-    scalars = _agreed_scalars(engine, kinds, small)
 
     # From here on values change.
     if engine.stage == 3:
         engine.cache.flush()
     pieces, opt_state = _piece_state(engine, kinds)
     dcp_load(pieces, found, comm)
-    _apply(engine, opt_state, scalars, extra["param_groups"] if load_optimizer else None)
+    _apply(engine, opt_state, small, extra["param_groups"] if load_optimizer else None)
     for key in meta["buffers"]:
         with torch.no_grad():
             engine.module.get_buffer(key).copy_(small[f"model.{key}"])
@@ -612,12 +615,8 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
 
 
 def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
-    trainable = {s.name for c in engine.optim.chunks for s in c.slots if s.numel}
-    missing = sorted(trainable - set(kinds))
-    if kinds and missing:
-        raise CheckpointError(f"zeroshard: checkpoint {found} has no optimizer state for {len(missing)} parameters "
-                              f"({', '.join(missing[:10])}...: frozen when it was saved?); load with "
-                              "load_optimizer=False to start the optimizer afresh")
+    """A parameter without saved state starts without state (torch's load_state_dict does the same
+    for a parameter that was never stepped); the kinds of state must be this optimizer's."""
     theirs = set().union(*(set(k) for k in kinds.values())) if kinds else set()
     ours = set(probe_state(engine.optim.make_opt)) if kinds else set()
     if theirs != ours:
@@ -629,14 +628,14 @@ def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
 
 
 def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
-    """What is loaded before anything changes: scalar optimizer states of this rank's chunks, buffers
-    and this rank's RNG states (fresh tensors, as the checkpoint's metadata `saved` describes them;
-    None for pickled objects)."""
+    """What is loaded before anything changes: scalar optimizer states of this rank's master pieces,
+    buffers and this rank's RNG states (fresh tensors, as the checkpoint's metadata `saved`
+    describes them; None for pickled objects)."""
     state = {}
     for c in engine.optim.chunks:
-        for s in c.slots:
-            for k, kind in kinds.get(s.name, {}).items():
-                key = f"optim.state.{s.name}.{k}"
+        for pc in c.pieces:
+            for k, kind in kinds.get(pc.slot.name, {}).items():
+                key = f"optim.state.{pc.slot.name}.{k}"
                 if kind == "tensor":
                     state[key] = torch.zeros(saved[key].size, dtype=saved[key].properties.dtype)
                 elif kind == "object":
@@ -649,68 +648,51 @@ def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
     return state
 
 
-def _agreed_scalars(engine, kinds: dict, small: dict) -> dict[int, dict]:
-    """{chunk index: {state name: value}} for the scalar states, which every parameter of a chunk
-    must agree on (they do in any zeroshard checkpoint: all chunks step together)."""
-    out = {}
-    for c in engine.optim.chunks:
-        named = [s for s in c.slots if s.name in kinds]
-        if not named:
-            continue
-        out[c.index] = {}
-        for k, kind in kinds[named[0].name].items():
-            if kind == "elementwise":
-                continue
-            values = [small[f"optim.state.{s.name}.{k}"] for s in named]
-            if not all((torch.equal(v, values[0]) if torch.is_tensor(v) else v == values[0]) for v in values):
-                raise CheckpointError(f"zeroshard: optimizer state {k!r} differs between {named[0].name} and "
-                                      "parameters now in the same chunk; load with load_optimizer=False")
-            out[c.index][k] = values[0]
-    return out
-
-
 def _fix_layout(engine, order: list[str]) -> None:
     """Before the first training forward the engine has not fixed its chunk layout (it re-packs in
-    order of first use): take the checkpoint's order instead. A re-pack needs an optimizer with one
-    group and no state; otherwise the layout stays as it is (pieces load into any layout)."""
+    order of first use): take the checkpoint's order instead. A re-pack needs an optimizer with no
+    state; otherwise the layout stays as it is (pieces load into any layout)."""
     if engine.layout.final:
         return
-    opt = engine.optim.optimizer
     by_name = {engine.names[id(p)]: p for p in engine.params}
-    engine.fix_layout([by_name[n] for n in order] if not opt.state and len(opt.param_groups) == 1 else None)
+    engine.fix_layout([by_name[n] for n in order] if not engine.optim.optimizer.state else None)
 
 
 def _piece_state(engine, kinds: dict):
-    """Pieces of each chunk's owned range, loaded in place: its master (its shard if frozen) and its
-    elementwise optimizer state buffers (the optimizer's own when they fit: no second copy)."""
+    """Pieces of each chunk's owned range, loaded in place: its master (its shard if frozen) and
+    the elementwise optimizer states of its master pieces (the optimizer's own tensors when they
+    fit: no second copy). Returns (DCP state, {id(master piece): {state name: tensor, or None for
+    a scalar state}})."""
     state, opt_state = {}, {}
     opt = engine.optim.optimizer
     for c in engine.chunks:
         lo, hi = c.owned_range
         dst = (c.master if c.trainable else c.shard).detach()
-        bufs = {}
-        named = [s for s in c.slots if s.name in kinds] if c.trainable else []
-        if named:
-            old = opt.state.get(c.master, {})
-            for k, kind in kinds[named[0].name].items():
-                v = old.get(k)
-                if kind == "elementwise":
-                    if not (torch.is_tensor(v) and v.shape == c.master.shape and v.dtype == torch.float32):
-                        v = torch.zeros_like(c.master, dtype=torch.float32).detach()
-                    bufs[k] = v
-            opt_state[c.index] = bufs
+        piece_of = {id(pc.slot): pc for pc in c.pieces}
         for s, start, a, b in _runs(c, lo, hi):
             state[f"model.{s.name}"] = Piece(dst[a - lo:b - lo], s.shape, start)
-            for k in bufs:
-                state[f"optim.state.{s.name}.{k}"] = Piece(bufs[k].detach()[a - lo:b - lo], s.shape, start)
+            pc = piece_of.get(id(s))
+            if pc is None or s.name not in kinds:
+                continue
+            old, bufs = opt.state.get(pc.param, {}), {}
+            for k, kind in kinds[s.name].items():
+                if kind != "elementwise":
+                    bufs[k] = None  # a scalar: loaded before anything changed (_small_state)
+                else:
+                    v = old.get(k)
+                    if not (torch.is_tensor(v) and v.shape == pc.param.shape and v.dtype == torch.float32):
+                        v = torch.zeros_like(pc.param, dtype=torch.float32).detach()
+                    bufs[k] = v
+                    state[f"optim.state.{s.name}.{k}"] = Piece(v.detach().reshape(-1), s.shape, start)
+            opt_state[id(pc.param)] = bufs
     return state, opt_state
 
 
 @torch.no_grad()
-def _apply(engine, opt_state: dict, scalars: dict, groups) -> None:
+def _apply(engine, opt_state: dict, small: dict, groups) -> None:
     """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
-    the full chunks, and hand the optimizer its state (groups None: no optimizer state loaded, so
-    the optimizer starts afresh)."""
+    the full chunks, and hand the optimizer its state: elementwise states from `opt_state`, scalar
+    ones from `small` (groups None: no optimizer state loaded, so the optimizer starts afresh)."""
     comm = engine.comm
     comm.counting = False
     try:
@@ -729,8 +711,12 @@ def _apply(engine, opt_state: dict, scalars: dict, groups) -> None:
         opt.load_state_dict({"state": {}, "param_groups": current})
         return
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    loaded = {index[id(c.master)]: {**opt_state[c.index], **scalars.get(c.index, {})}
-              for c in engine.optim.chunks if c.index in opt_state}
+    loaded = {}
+    for c in engine.optim.chunks:
+        for pc in c.pieces:
+            if id(pc.param) in opt_state and id(pc.param) in index:
+                loaded[index[id(pc.param)]] = {k: small[f"optim.state.{pc.slot.name}.{k}"] if v is None else v
+                                               for k, v in opt_state[id(pc.param)].items()}
     # The saved hyperparameters (a schedule's lr, ...) of every key this optimizer knows.
     opt.load_state_dict({"state": loaded, "param_groups": [{**cur, **{k: v for k, v in g.items() if k in cur}}
                                                            for g, cur in zip(groups, current)]})

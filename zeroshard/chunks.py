@@ -10,6 +10,9 @@ Vocabulary (used in names, logs and errors throughout zeroshard):
   stage 3 it exists only while the chunk is GATHERED (or GATHERING).
 - master: the fp32 copy of the owned range that the optimizer updates. In fp32 training it *is* the
   owned range of the compute storage (no copy).
+- master piece: the part of one parameter's master that lies in the owned range, as a tensor of its
+  own (aliasing the master) that the user's optimizer steps: each parameter keeps its own param
+  group, state and step count, and one that got no gradient is not stepped, as in torch.
 - grad full / grad shard: gradients of the whole chunk in compute dtype, and this rank's reduced
   slice of them.
 
@@ -102,6 +105,19 @@ class Slot:
     shape: torch.Size
 
 
+@dataclass
+class MasterPiece:
+    """One parameter's master piece: chunk elements [lo, hi) of the owned range, and `param`, an
+    nn.Parameter aliasing those master elements (shaped as the parameter when it holds all of it,
+    1-D otherwise), which is what the user's optimizer steps."""
+
+    slot: Slot
+    index: int  # the slot's position in its chunk
+    lo: int
+    hi: int
+    param: nn.Parameter
+
+
 class ChunkState(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
@@ -126,12 +142,14 @@ class Chunk:
     @torch.no_grad()
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
                  dtype: torch.dtype, device: torch.device, trainable: bool, values: list[torch.Tensor],
-                 comm=None, placement: Placement = Placement(), transfer: Transfer | None = None):
+                 comm=None, placement: Placement = Placement(), transfer: Transfer | None = None,
+                 grad_dtype: torch.dtype | None = None):
         self.index = index
         self.slots = slots
         self.stage = stage
         self.trainable = trainable
         self.dtype = dtype
+        self.grad_dtype = grad_dtype or dtype  # gradients accumulated and reduced in it (precision.py)
         self.device = device
         self.placement = placement
         self.transfer = transfer or Transfer(device)
@@ -171,8 +189,9 @@ class Chunk:
                 master = self.transfer.host_copy_of(full32[lo:hi])
             else:
                 master = full32[lo:hi].clone()
-            self.master = nn.Parameter(master, requires_grad=True)
+            self.master = master
         del full32
+        self.pieces: list[MasterPiece] = self._master_pieces() if trainable else []
         # In-flight async collectives. Gathers and reductions are independent and can overlap (a
         # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
         self.gather_work = None
@@ -184,11 +203,15 @@ class Chunk:
         self.grad_full = None
         self.grad_shard = None
         if trainable and stage <= 1:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
         self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
         self.grad_state = GradState.ACCUMULATING
         self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
-        self.expected_grads = sum(1 for s in slots if s.param.requires_grad)
+        self.expected_grads = len(slots) if trainable else 0
+        # Slots (by index) that got a gradient on this rank since the last step: a parameter that got
+        # none on any rank is not stepped (torch skips a parameter whose .grad is None).
+        self.slots_with_grad: set[int] = set()
+        self._slot_index = {id(s): i for i, s in enumerate(slots)}
         # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
         # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
         self.host_grad = None
@@ -200,6 +223,17 @@ class Chunk:
         self.arriving = None  # anything with wait(): a collective's work, a Pending copy
         if stage != 3:
             self.bind_params()
+
+    def _master_pieces(self) -> list[MasterPiece]:
+        lo, hi = self.owned_range
+        base = self.master.detach()
+        out = []
+        for i, s in enumerate(self.slots):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                view = base[a - lo:b - lo]
+                out.append(MasterPiece(s, i, a, b, nn.Parameter(view.view(s.shape) if b - a == s.numel else view)))
+        return out
 
     @property
     def full_bytes(self) -> int:
@@ -256,8 +290,9 @@ class Chunk:
 
     # -- gradients -----------------------------------------------------------------------------
     def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        self.slots_with_grad.add(self._slot_index[id(slot)])
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
         self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
 
     def start_reduce(self, comm) -> None:
@@ -266,7 +301,7 @@ class Chunk:
         assert self.grad_state is not GradState.REDUCING, self.grad_state
         self.grad_state = GradState.REDUCING
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.dtype, device=self.device)
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
         if self.stage == 0:
             self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
         else:
@@ -395,6 +430,7 @@ class Chunk:
             self.grad_in_flight.fence()
             self.grad_in_flight = None
         self.host_grad = None
+        self.slots_with_grad.clear()
         if self.stage <= 1:
             self.grad_full.zero_()
         else:
@@ -408,13 +444,14 @@ class Chunk:
         """Persistent bytes this chunk holds on this rank, as (kind, on host, bytes) with kind
         'params', 'grads' or 'master' (the optimizer's own states are counted by the engine)."""
         el = torch.tensor([], dtype=self.dtype).element_size()
+        gel = torch.tensor([], dtype=self.grad_dtype).element_size()
         out = [("params", self.stage == 3 and self.placement.params_on_host,
                 (self.shard_numel if self.stage == 3 else self.padded_numel) * el)]
         if self.trainable:
             if self.stage <= 1:  # the full gradient stays on the device for accumulation
-                out.append(("grads", False, self.padded_numel * el))
+                out.append(("grads", False, self.padded_numel * gel))
             if self.stage >= 2 or self.placement.optimizer_on_host:
-                out.append(("grads", self.placement.optimizer_on_host, self.shard_numel * el))
+                out.append(("grads", self.placement.optimizer_on_host, self.shard_numel * gel))
         if self.master is not None and not self.master_is_shard:
             out.append(("master", self.placement.optimizer_on_host, self.master.numel() * 4))
         return out

@@ -61,6 +61,11 @@ class Config:
         step. Saving a checkpoint or a state dict first applies the update in flight. None = off.
     offload_activations: tensors saved for backward (with activation checkpointing: the
         checkpoints) are kept in host memory between forward and backward (ZeRO-R's P_a+cpu).
+    buffer_dtype / cast_forward_inputs / reduce_dtype: the mixed-precision policy under bf16/fp16
+        (precision.py): floating buffers in the compute dtype ('compute', as model.to(dtype)) or
+        kept in fp32 ('fp32'); every module with parameters casts its floating inputs to the compute
+        dtype (True) or only the root's inputs are (False); gradients accumulated and reduced in the
+        compute dtype ('compute') or in fp32 ('fp32': twice the gradient memory and traffic).
     """
 
     stage: int = 2
@@ -78,12 +83,20 @@ class Config:
     offload_activations: bool = False
     delay_update_after: int | None = None
     offload: bool | str = False
+    buffer_dtype: str = "compute"
+    cast_forward_inputs: bool = True
+    reduce_dtype: str = "compute"
     device_memory: int | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         """The compute dtype `precision` names."""
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.precision]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients are accumulated and reduced in (`reduce_dtype`)."""
+        return torch.float32 if self.reduce_dtype == "fp32" else self.dtype
 
     @property
     def planned(self) -> bool:
@@ -117,7 +130,11 @@ class Config:
             bad("chunk_size", "'auto' or an integer >= 1 (elements)")
         if self.cache_chunks is not None and (not is_int(self.cache_chunks) or self.cache_chunks < 1):
             bad("cache_chunks", "an integer >= 1, or None for unlimited")
-        for key in ("prefetch", "check_order", "offload_optimizer", "offload_params", "offload_activations"):
+        for key in ("buffer_dtype", "reduce_dtype"):
+            if getattr(self, key) not in ("compute", "fp32"):
+                bad(key, "'compute' (the precision's dtype) or 'fp32'")
+        for key in ("prefetch", "check_order", "offload_optimizer", "offload_params", "offload_activations",
+                    "cast_forward_inputs"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")
         if isinstance(self.initial_loss_scale, bool) or not isinstance(self.initial_loss_scale, (int, float)) \

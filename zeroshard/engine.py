@@ -9,6 +9,7 @@ ShardedOptimizer (optimizer.py: fp32 masters of owned ranges, on the device or t
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -25,10 +26,12 @@ from .config import Config
 from .hardware import default_device
 from .hooks import ArrivalHooks, Stage3Hooks, direct_params, weak_method
 from .layout import ChunkLayout, list_parameters, resolve_state
+from .module_state import StateDictLoading, full_parameters, route_zero_grad
 from .offload import Placement, Transfer
 from .ordering import STEP
-from .optimizer import LossScaler, ShardedOptimizer, default_optimizer
+from .optimizer import LossScaler, ShardedOptimizer, as_factory, default_optimizer
 from .planner import plan_for, profiled_sequence
+from .precision import InputCasts, cast_buffers
 from .reducer import GradientReducer
 from .saved_tensors import SavedTensorHooks
 from .stats import model_state_bytes, step_stats
@@ -45,12 +48,13 @@ class TrainingPhase(enum.Enum):
     FORWARD = "forward"  # inside engine(...)
     BACKWARD = "backward"  # from engine.backward (or the first gradient of loss.backward()) to its end
     STEP = "step"  # inside engine.step()
+    FULL_PARAMETERS = "full parameters"  # inside `with engine.full_parameters()`
 
 
 class Engine:
     """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
 
-    def __init__(self, module: nn.Module, make_opt, config: Config, device: torch.device | None = None,
+    def __init__(self, module: nn.Module, optimizer, config: Config, device: torch.device | None = None,
                  example_inputs=None):
         self.device = device or default_device()
         if self.device.type == "cuda":
@@ -60,7 +64,8 @@ class Engine:
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
         if config.planned:
-            self.plan, self.profile = plan_for(module, example_inputs, make_opt, config, self.device, self.comm)
+            self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
+                                                self.comm)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
@@ -78,21 +83,25 @@ class Engine:
 
         self.params, self.names = list_parameters(module)
         self.shapes = {id(p): p.shape for p in self.params}
+        cast_buffers(module, self.dtype, config.buffer_dtype)
         self.state_keys = resolve_state(module, self.device)
+        self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
+            else None
 
         numels = [p.numel() for p in self.params]
         cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
         placement_of = (lambda i: self.placement) if self.plan is None else (lambda i: self.plan.placement(i, self.stage))
         self.layout = ChunkLayout(self.names, self.shapes, stage=self.stage, comm=self.comm, dtype=self.dtype,
                                   device=self.device, transfer=self.transfer, capacity=max(cap, max(numels)),
-                                  placement_of=placement_of)  # the config's placement, or the plan's per chunk
+                                  placement_of=placement_of,  # the config's placement, or the plan's per chunk
+                                  grad_dtype=config.grad_dtype)
         self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch)
         self.reducer = GradientReducer(self.comm, self.stage, config.gradient_accumulation_steps)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
         host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
-        make_opt = make_opt or default_optimizer(host=host)
         delayed = config.delay_update_after is not None
-        self.optim = ShardedOptimizer(make_opt, self.comm, stage=self.stage, dtype=self.dtype,
+        self.optim = ShardedOptimizer(optimizer or default_optimizer(host=host), self.comm, param_names=self.names,
+                                      stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                       delay_after=config.delay_update_after,
@@ -106,9 +115,14 @@ class Engine:
 
         self.hooks = None
         if self.stage == 3:
-            self.hooks = Stage3Hooks(module, self.cache, self.layout.chunks_of, self.names, self.shapes, self.dtype)
-            real = self.hooks.real
-            self.layout.real_params = lambda m: real[m] if m in real else direct_params(m)
+            self.hooks = Stage3Hooks(module, self.cache, self.layout.chunks_of, self.names, self.shapes, self.dtype,
+                                     on_borrow=self.layout.forget)
+            hooks, real = self.hooks, self.hooks.real
+            self.layout.real_params = lambda m: hooks.params_of(m) if m in real else direct_params(m)
+        route_zero_grad(module, weak_method(self.zero_grad))
+        layout = self.layout  # the hooks below live on the module: no reference to the engine itself
+        self.loading = StateDictLoading(module, (lambda m: real[m]) if self.hooks else direct_params,
+                                        lambda: layout.slot_of, self.hooks, weak_method(self._before_load))
         self._arrivals = ArrivalHooks(module, self.layout.chunks_of) \
             if self.stage in (1, 2) and (self.comm.world > 1 or delayed) else None
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
@@ -146,6 +160,8 @@ class Engine:
             self._abandon_backward()
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: forward called while the engine is in {self.phase.value}")
+        if torch.is_grad_enabled():
+            self.layout.check_frozen()
         self.comm.pass_index = self.micro_steps
         self.phase = TrainingPhase.FORWARD
         try:
@@ -176,7 +192,7 @@ class Engine:
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
         """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
-        recording first use. Re-packing needs an optimizer with one group and no state."""
+        recording first use. Re-packing needs an optimizer with no state."""
         if self.layout.final:
             return
         if order is not None and self.layout.differs(order):
@@ -291,14 +307,32 @@ class Engine:
         self.optim.land()
         self._settle()
 
+    def _before_load(self) -> bool:
+        """model.load_state_dict is about to write parameters (module_state.py): whether its hooks
+        should write the chunks (not inside full_parameters(), whose exit writes them back)."""
+        if self.phase is TrainingPhase.FULL_PARAMETERS:
+            return False
+        if self.phase is not TrainingPhase.IDLE:
+            raise RuntimeError(f"zeroshard: load_state_dict called while the engine is in {self.phase.value}")
+        self.apply_delayed_update()
+        if self.stage == 3:
+            self.cache.flush()
+        return True
+
     def _settle(self) -> None:
         """Wait for every chunk still arriving (ArrivalHooks)."""
         if self._arrivals is not None:
             self._arrivals.settle()
         self.optim.await_arrivals()
 
-    def zero_grad(self) -> None:
-        """Gradients are cleared by step(); kept for familiarity."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last step, as optimizer.zero_grad() does in torch
+        (step() clears them itself). `model.zero_grad()` on the wrapped model calls this."""
+        if self.phase is not TrainingPhase.IDLE:
+            raise RuntimeError(f"zeroshard: zero_grad() called while the engine is in {self.phase.value}")
+        if self.grads_pending or any(c.slots_with_grad for c in self.optim.chunks):
+            self.optim.zero_grads()
+            self.grads_pending = False
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)
@@ -331,6 +365,24 @@ class Engine:
         Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
         return load(self, path, tag, load_optimizer)
+
+    @contextlib.contextmanager
+    def full_parameters(self, writeback: bool = True):
+        """Collective context manager: inside it every parameter of the module holds its whole fp32
+        value (from the masters), at every stage, so the module's own API works as on an unwrapped
+        model: `model.state_dict()`, `save_pretrained`, reading or editing weights in place. On exit,
+        with `writeback`, the values are written back into the masters and the compute copies (as
+        `model.load_state_dict` writes them). Holds the whole model in fp32 on every rank while open;
+        no forward, backward or step inside it (FSDP's summon_full_params, DeepSpeed's
+        GatheredParameters)."""
+        if self.phase is not TrainingPhase.IDLE:
+            raise RuntimeError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
+        with full_parameters(self, writeback):
+            self.phase = TrainingPhase.FULL_PARAMETERS
+            try:
+                yield
+            finally:
+                self.phase = TrainingPhase.IDLE
 
     def record_memory(self, steps: int | None = 1) -> MemoryTimeline:
         """Record this rank's memory (bytes, by kind: timeline.py) over the next `steps` optimizer

@@ -15,7 +15,10 @@ chunk alive from forward to backward and stage 3 would hold the whole model at i
 
 Outside its module's forward, a stage-3 parameter's slot holds a `ShardedPlaceholder` with the
 parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
-the parameter, instead of silently reading a freed buffer.
+the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
+reads a parameter of a submodule that does not run (nn.MultiheadAttention reads out_proj.weight) *borrows*
+it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
+unit (gathered, held for backward and released with that module's own parameters).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .chunks import ChunkState
 
@@ -33,8 +36,9 @@ _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_leaf.__get__,
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_meta.__get__,
 }
+_REQUIRES_GRAD = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}
 
 
 class ShardedParameterError(RuntimeError):
@@ -49,6 +53,9 @@ class ShardedPlaceholder(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=like.device,
                                                 requires_grad=like.requires_grad)
         t._zs_name = name
+        t._zs_absorb_copies = False  # inside model.load_state_dict: the value went to the shard already
+        t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, if a forward may read it
+        t._zs_param = None  # the real parameter it stands in for
         return t
 
     @classmethod
@@ -56,8 +63,22 @@ class ShardedPlaceholder(torch.Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if func is torch.Tensor.copy_ and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_absorb_copies:
+            return args[0]
+        if func in _REQUIRES_GRAD and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_param is not None:
+            # freezing or unfreezing through model.parameters(): the real parameter's flag, and its stand-in's
+            func(args[0]._zs_param, *args[1:], **(kwargs or {}))
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*args, **(kwargs or {}))
+            return args[0] if func is torch.Tensor.requires_grad_ else None
         flat, _ = tree_flatten((args, kwargs or {}))
-        names = sorted({a._zs_name for a in flat if isinstance(a, ShardedPlaceholder)})
+        held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
+        borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
+        real = {id(a): borrow(a) for a in held} if borrow is not None else {}
+        if real and all(r is not None for r in real.values()):  # read inside an ancestor's forward
+            args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
+            return func(*args, **kwargs)
+        names = sorted({a._zs_name for a in held})
         if func is torch.Tensor.__repr__:
             return f"ShardedPlaceholder({names[0]}, shape={tuple(args[0].shape)})"
         raise ShardedParameterError(
@@ -88,14 +109,8 @@ def weak_method(method):
 
     def call(*args):
         m = ref()
-        if m is not None:
-            m(*args)
+        return m(*args) if m is not None else None
     return call
-
-
-def output_tensors(out) -> list[torch.Tensor]:
-    flat, _ = tree_flatten(out)
-    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -244,22 +259,32 @@ class ArrivalGuard(TorchFunctionMode):
 
 class Stage3Hooks:
     """Installs and runs the stage-3 module hooks. `chunks_of(module)` gives the chunks holding a
-    module's direct parameters (it changes if the engine re-packs chunks)."""
+    module's parameters, `params_of(module)` (it changes if the engine re-packs chunks);
+    `on_borrow(module)` is told when a module's parameters grew by a borrowed one."""
 
     def __init__(self, model: nn.Module, cache, chunks_of, names: dict[int, str],
-                 shapes: dict[int, torch.Size], dtype: torch.dtype):
+                 shapes: dict[int, torch.Size], dtype: torch.dtype, on_borrow=lambda module: None):
         self.cache = cache
         self.chunks_of = chunks_of
-        self.modules = [m for m in model.modules() if direct_params(m)]
+        # The root too, parameters or not: a parameter read in its forward outside the module that
+        # holds it (nn.ParameterList's, F.linear(x, self.child.weight)) is borrowed by it.
+        self.modules = [m for m in model.modules() if direct_params(m) or m is model]
         self.real: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
         self.placeholders: dict[nn.Module, list[tuple[str, ShardedPlaceholder]]] = {}
         self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> modules that register it
+        # module -> (owner module, name, parameter) it borrowed (see the module docstring)
+        self.borrowed: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+        self._slot: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
+        self.on_borrow = on_borrow
+        borrow = weak_method(self.borrow)
         for m in self.modules:
             self.real[m] = direct_params(m)
             self.placeholders[m] = [(n, ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)]))
                                     for n, p in self.real[m]]
-            for _, p in self.real[m]:
+            for (n, p), (_, t) in zip(self.real[m], self.placeholders[m]):
                 self.owners.setdefault(id(p), []).append(m)
+                self._slot[id(t)] = (m, n, p)
+                t._zs_borrow, t._zs_param = borrow, p
             self._swap(m, self.placeholders[m])
         self.held: dict[nn.Module, set[int]] = {}  # module -> ids of params whose grads are pending
         # Module calls whose forward started but has not ended. Non-reentrant checkpointing stops a
@@ -272,6 +297,47 @@ class Stage3Hooks:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward))
 
+    def params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """A module's direct parameters and those it borrowed."""
+        return self.real[module] + [(n, p) for _, n, p in self.borrowed.get(module, ())]
+
+    def borrow(self, placeholder: ShardedPlaceholder) -> nn.Parameter | None:
+        """The real parameter behind `placeholder`, gathered, if a module's forward is running (None
+        otherwise): it joins the innermost running module's unit from now on."""
+        if not self.active:
+            return None
+        m = self.active[-1]
+        owner, name, p = self._slot[id(placeholder)]
+        entries = self.borrowed.setdefault(m, [])
+        if all(q is not p for _, _, q in entries):
+            before = list(self.chunks_of(m))
+            entries.append((owner, name, p))
+            self.owners.setdefault(id(p), []).append(m)
+            self.on_borrow(m)
+            for c in self.chunks_of(m):  # released with m's own when its forward ends
+                if c not in before:
+                    self.cache.acquire(c)
+            owner._parameters[name] = p
+        return p
+
+    def _swap_borrowed(self, module: nn.Module, real: bool) -> None:
+        for owner, name, p in self.borrowed.get(module, ()):
+            if real:
+                owner._parameters[name] = p
+            elif owner not in self.active:
+                owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
+
+    def show_real_parameters(self, real: bool) -> None:
+        """Put the real parameters in every module's slots (True), or the placeholders back."""
+        for m in self.modules:
+            self._swap(m, self.real[m] if real else self.placeholders[m])
+
+    def absorb_copies(self, module: nn.Module, on: bool) -> None:
+        """While `module` loads a state dict whose values module_state.py already wrote into the
+        shards: its placeholders take torch's copy into them as done."""
+        for _, t in self.placeholders[module]:
+            t._zs_absorb_copies = on
+
     @staticmethod
     def _swap(module: nn.Module, entries) -> None:
         for n, t in entries:
@@ -281,21 +347,33 @@ class Stage3Hooks:
         for c in self.chunks_of(module):
             self.cache.acquire(c)
         self._swap(module, self.real[module])
+        self._swap_borrowed(module, True)
         self.active.append(module)
 
     def _post_forward(self, module, args, out):
         self._end_forward(module)
+        flat, spec = tree_flatten(out)
+        real = {id(p) for _, p in self.real[module]}
+        if any(id(t) in real for t in flat):
+            # A parameter returned from its module's forward: once its chunk is released the
+            # parameter holds no data, so the caller gets a view of it instead, which keeps the
+            # gathered storage (and the values) alive for as long as the caller holds it.
+            flat = [t.view_as(t) if id(t) in real else t for t in flat]
+            out = tree_unflatten(flat, spec)
+        else:
+            out = None  # unchanged
         if torch.is_grad_enabled():
-            tensors = output_tensors(out)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
-        return None
+        return out
 
     def _end_forward(self, module) -> None:
         i = len(self.active) - 1 - self.active[::-1].index(module)
         del self.active[i]
         if module not in self.active:
             self._swap(module, self.placeholders[module])
+            self._swap_borrowed(module, False)
         for c in self.chunks_of(module):
             self.cache.release(c)
 
@@ -307,7 +385,7 @@ class Stage3Hooks:
         self.in_backward = True
         if module in self.held:
             return
-        self.held[module] = {id(p) for _, p in self.real[module] if p.requires_grad}
+        self.held[module] = {id(p) for _, p in self.params_of(module) if p.requires_grad}
         # A module with no trainable parameter keeps its hold until the end of backward.
         for c in self.chunks_of(module):
             self.cache.acquire(c)

@@ -22,6 +22,10 @@ from .offload import Placement, Transfer
 log = logging.getLogger("zeroshard")
 
 
+class FrozenParameterError(RuntimeError):
+    """A parameter that was frozen at `zeroshard.initialize` was set to require a gradient."""
+
+
 def list_parameters(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, str]]:
     """The module's parameters, deduplicated (tied weights are one parameter), with their first name."""
     params, names = [], {}
@@ -48,10 +52,11 @@ class ChunkLayout:
 
     def __init__(self, names: dict[int, str], shapes: dict[int, torch.Size], *, stage: int,
                  comm: Comm, dtype: torch.dtype, device: torch.device, transfer: Transfer, capacity: int,
-                 placement_of: Callable[[int], Placement]):
+                 placement_of: Callable[[int], Placement], grad_dtype: torch.dtype | None = None):
         self.names, self.shapes = names, shapes
         self.stage, self.comm, self.dtype, self.device, self.transfer = stage, comm, dtype, device, transfer
         self.capacity = capacity  # elements per chunk (raised to the largest parameter)
+        self.grad_dtype = grad_dtype or dtype
         self.placement_of = placement_of
         self.real_params: Callable[[nn.Module], list] = direct_params
         self.chunks: list[Chunk] = []
@@ -59,6 +64,10 @@ class ChunkLayout:
         self._module_chunks: dict[nn.Module, list[Chunk]] = {}
         self.recorder: FirstUseRecorder | None = None
         self.final = False
+        # id(param) -> whether it was trainable when first packed: a re-pack keeps each parameter's
+        # chunk kind (a parameter frozen later still gets no gradient, so it is not stepped; one
+        # unfrozen later raises FrozenParameterError rather than piling gradients up unseen).
+        self.trainable: dict[int, bool] = {}
 
     def build(self, order: list[nn.Parameter], values: list[torch.Tensor], broadcast: bool) -> None:
         """Pack `order` into chunks (trainable and frozen parameters apart: frozen ones have no
@@ -66,15 +75,18 @@ class ChunkLayout:
         0's values."""
         chunks, self.slot_of, self._module_chunks = [], {}, {}
         value_of = {id(p): v for p, v in zip(order, values)}
+        for p in order:
+            self.trainable.setdefault(id(p), p.requires_grad)
         for trainable in (True, False):
-            group = [p for p in order if p.requires_grad == trainable]
+            group = [p for p in order if self.trainable[id(p)] == trainable]
             for placed in pack([self.shapes[id(p)].numel() for p in group], self.capacity):
                 slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
                               self.shapes[id(group[i])]) for i, off in placed]
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                           dtype=self.dtype, device=self.device, trainable=trainable,
                           values=[value_of[id(s.param)] for s in slots], comm=self.comm if broadcast else None,
-                          placement=self.placement_of(len(chunks)), transfer=self.transfer)
+                          placement=self.placement_of(len(chunks)), transfer=self.transfer,
+                          grad_dtype=self.grad_dtype)
                 chunks.append(c)
                 for s in slots:
                     self.slot_of[id(s.param)] = (c, s)
@@ -92,7 +104,7 @@ class ChunkLayout:
     def differs(self, order: list[nn.Parameter]) -> bool:
         """Whether packing `order` would change the layout (trainable parameters pack first)."""
         current = [s.param for c in self.chunks for s in c.slots]
-        want = [p for t in (True, False) for p in order if p.requires_grad == t]
+        want = [p for t in (True, False) for p in order if self.trainable[id(p)] == t]
         return [id(p) for p in want] != [id(p) for p in current]
 
     def release_gathered(self) -> None:
@@ -122,12 +134,28 @@ class ChunkLayout:
                         "every rank packs chunks in rank 0's order")
         return [params[i] for i in orders[0]]
 
+    def check_frozen(self) -> None:
+        """Raise FrozenParameterError if a parameter packed frozen now requires a gradient."""
+        for c in self.chunks:
+            if not c.trainable:
+                for s in c.slots:
+                    if s.param.requires_grad:
+                        raise FrozenParameterError(
+                            f"zeroshard: parameter {s.name} was frozen (requires_grad=False) when "
+                            "zeroshard.initialize ran, so it has no gradient buffer, master copy or optimizer "
+                            "state, and cannot be trained now. Set requires_grad before initialize (a parameter "
+                            "frozen later is simply not updated, as in torch)")
+
     def finalize(self) -> None:
         """No re-pack from now on: stop recording first use."""
         if self.recorder is not None:
             self.recorder.remove()
             self.recorder = None
         self.final = True
+
+    def forget(self, module: nn.Module) -> None:
+        """`module`'s parameters changed (stage 3 borrowing): find its chunks again when asked."""
+        self._module_chunks.pop(module, None)
 
     def chunks_of(self, module: nn.Module) -> list[Chunk]:
         """The chunks holding `module`'s direct parameters, in order of first appearance."""

@@ -4,17 +4,22 @@ owned range, then the updated values are pushed back into the compute parameters
 One step, in order:
 1. master grad = reduced gradient of the owned range, in fp32, times 1/(world * accumulation steps *
    loss scale). Gradients are always reduced with SUM; this is the only place that divides.
-2. fp16: if any rank's gradient is not finite, every rank skips the step and halves the loss scale.
-3. Clipping by the global L2 norm over all shards (one small all-reduce of the squared norm).
+2. One small all-reduce agrees on which parameters got a gradient on any rank, on fp16 overflow (if
+   any rank's gradient is not finite, every rank skips the step and halves the loss scale) and on
+   the squared global L2 norm for clipping.
+3. Clipping by that norm.
 4. The optimizer step; then the 16-bit copy of the owned range is refreshed from the master, and at
    stages 1-2 every chunk's all-gather starts, so each rank again holds all parameters once it
    arrives: step() does not wait for it; the next forward waits per chunk (hooks.ArrivalHooks).
    Stage 3 gathers lazily when modules run; stage 0 updated everything everywhere.
 
-Chunks whose optimizer lives on the host (offload.py) step one chunk at a time, in the order the next
-forward needs them, and each updated shard starts its upload (and, at stages 1-2, its all-gather)
-while the next chunk steps. An optimizer that can write the 16-bit copy in the same pass as the
-update (zeroshard.CPUAdamW) is given the copy's destination, saving a pass over the master.
+The optimizer steps master pieces (chunks.py): per parameter, the part of its fp32 master this rank
+owns, so param groups, per-parameter state and step counts are torch's; a parameter that got no
+gradient on any rank since the last step is not stepped. Chunks whose optimizer lives on the host
+(offload.py) step one chunk at a time, in the order the next forward needs them, and each updated
+shard starts its upload (and, at stages 1-2, its all-gather) while the next chunk steps. An
+optimizer that can write the 16-bit copy in the same pass as the update (zeroshard.CPUAdamW) is
+given the copy's destination, saving a pass over the master.
 
 Delayed update (ZeRO-Offload's DPU, config `delay_update_after`): the host step of step t runs in a
 background thread while the device runs step t+1's forward and backward, and lands (is uploaded and
@@ -34,10 +39,10 @@ import math
 import threading
 
 import torch
-import torch.distributed as dist
 
 from .chunks import fold_host_grad
 from .ordering import PUBLISH
+from .param_groups import ParamGroups, as_factory
 
 
 class LossScaler:
@@ -97,10 +102,14 @@ class UpdateState(enum.Enum):
 
 
 class ShardedOptimizer:
-    def __init__(self, make_opt, comm, *, stage: int, dtype: torch.dtype, accumulation: int,
-                 clip_grad_norm: float | None, scaler: LossScaler | None, delay_after: int | None = None,
-                 side_comm=None):
-        self.make_opt = make_opt
+    def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
+                 accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
+                 delay_after: int | None = None, side_comm=None):
+        """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
+        list of tensors and returning one. param_names: id(parameter) -> name, for the model's."""
+        self.groups = ParamGroups(optimizer, param_names)
+        self.make_opt = as_factory(optimizer)
+        self.applied_updates = 0
         self.comm = comm
         self.stage = stage
         self.dtype = dtype
@@ -125,20 +134,16 @@ class ShardedOptimizer:
         self._state_bytes_at_launch = None
 
     def attach(self, chunks) -> None:
-        """(Re)bind the optimizer to the trainable chunks' masters. Before the first step the
-        optimizer holds no state, so re-packing chunks only swaps the tensors it updates."""
+        """(Re)bind the optimizer to the trainable chunks' master pieces, each in the param group of
+        its parameter (param_groups.py). Before the first update the optimizer holds no state (or
+        only what it made when built), so re-packing chunks only swaps the tensors it updates."""
         self.chunks = [c for c in chunks if c.trainable]
-        masters = [c.master for c in self.chunks]
+        pieces = [pc for c in self.chunks for pc in c.pieces]
         if self.optimizer is None:
-            self.optimizer = self.make_opt(masters)
-            if not isinstance(self.optimizer, torch.optim.Optimizer):
-                raise ValueError("zeroshard: optimizer must be a callable returning a torch.optim.Optimizer, "
-                                 f"got {type(self.optimizer).__name__}")
-        elif len(self.optimizer.param_groups) == 1 and not self.optimizer.state:
-            self.optimizer.param_groups[0]["params"] = masters
-        else:
-            raise RuntimeError("zeroshard: cannot re-pack chunks of an optimizer with several parameter "
-                               "groups or existing state")
+            self.optimizer = self.groups.build(pieces)
+        elif self.applied_updates and self.optimizer.state:
+            raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
+        self.groups.assign(self.optimizer, pieces)
 
     @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:
@@ -150,9 +155,11 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._inv_scale(),
-                                               self.comm, self.optimizer, self._copy_target, self._publish)
+        applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._grads_seen(),
+                                               self._inv_scale(), self.comm, self.optimizer, self._copy_target,
+                                               self._publish)
         if applied:
+            self.applied_updates += 1
             self._gather_updated()
         self._account(applied, overflow, norm)
         return applied
@@ -170,105 +177,129 @@ class ShardedOptimizer:
         scale = self.scaler.grads_scale if self.scaler else 1.0
         return 1.0 / (self.comm.world * self.accumulation * scale)
 
-    def _update(self, grads, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
+    def _grads_seen(self) -> list[set[int]]:
+        """Per chunk, the slots that got a gradient on this rank since the last step (a copy)."""
+        return [set(c.slots_with_grad) for c in self.chunks]
+
+    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
         """One update from the chunks' reduced gradients (compute dtype, summed over ranks and
-        micro-batches): fp16 overflow check, clipping, the step, and `finish(chunk, 16-bit target)`
-        for each stepped chunk. Chunks whose optimizer lives on the host step one at a time, each
-        with its fp32 gradient made just before and dropped just after (ZeRO-R's constant buffers:
-        never the whole model's fp32 gradient at once), in the order the next forward needs them.
-        Returns (applied, overflow, global norm or None)."""
-        if self.scaler is not None and self._overflowed(comm, grads):
+        micro-batches) and the slots that got one on this rank (`seen`, per chunk): which
+        parameters got a gradient on any rank, fp16 overflow check, clipping, the step, and
+        `finish(chunk, 16-bit target)` for each stepped chunk. Chunks whose optimizer lives on the
+        host step one at a time, each with its fp32 gradient made just before and dropped just after
+        (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
+        next forward needs them. Returns (applied, overflow, global norm or None); not applied when
+        no parameter got a gradient on any rank (torch's step then changes nothing)."""
+        present, overflow, sq = self._agree_grads(comm, grads, seen, inv)
+        if overflow or not any(any(p) for p in present):
             self._drop_grads()
-            return False, True, None
+            return False, overflow, None
         norm = coef = None  # coef: the clipping factor, None when the gradient is left as it is
         if self.clip is not None:
-            norm = self._global_norm(comm, grads, inv)
+            norm = math.sqrt(sq)
             coef = self.clip / (norm + 1e-6) if norm + 1e-6 > self.clip else None
 
         read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
 
-        def load(c, g):
+        def load(c, g, has_grad):
             if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
-                g = torch.zeros(c.master.numel(), dtype=self.dtype, device=c.master.device)
+                g = torch.zeros(c.master.numel(), dtype=c.grad_dtype, device=c.master.device)
+            lo = c.owned_range[0]
+            stepped = [pc for pc in c.pieces if has_grad[pc.index]]
             if read_16bit is not None and g.dtype != torch.float32 and g.device.type == c.master.device.type == "cpu":
-                read_16bit[id(c.master)] = (g, inv, 1.0 if coef is None else coef)
+                for pc in stepped:
+                    read_16bit[id(pc.param)] = (g[pc.lo - lo:pc.hi - lo].view(pc.param.shape), inv,
+                                                1.0 if coef is None else coef)
                 return
-            g = g.mul_(inv) if self.dtype == torch.float32 else g.float().mul_(inv)
+            g = g.mul_(inv) if g.dtype == torch.float32 else g.float().mul_(inv)
             if coef is not None:
                 g.mul_(coef)
-            c.master.grad = g
+            for pc in stepped:
+                pc.param.grad = g[pc.lo - lo:pc.hi - lo].view(pc.param.shape)
 
-        on_host = {i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host}
-        if len(opt.param_groups) > 1:  # a step over a subset of chunks assumes one group
-            on_host = set()
-        one_by_one = sorted(on_host)
-        together = [i for i in range(len(self.chunks)) if i not in on_host]
+        one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
+        together = [i for i, c in enumerate(self.chunks) if not c.placement.optimizer_on_host]
         if together:
             for i in together:
-                load(self.chunks[i], grads[i])
+                load(self.chunks[i], grads[i], present[i])
             chunks = [self.chunks[i] for i in together]
             for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
                 finish(c, target)
         for i in one_by_one:
             c = self.chunks[i]
-            load(c, grads[i])
+            load(c, grads[i], present[i])
             grads[i] = None
             (target,) = self._step_chunks(opt, [c], target_of)
-            c.master.grad = None
+            for pc in c.pieces:
+                pc.param.grad = None
             finish(c, target)
         self._drop_grads()
         return True, False, norm
 
-    def _overflowed(self, comm, grads) -> bool:
-        """fp16: whether any rank's gradient is not finite (one small all-reduce). Scaling by a
-        finite factor neither makes nor unmakes an inf or NaN, so the unscaled gradients tell."""
-        local = torch.zeros(1, device=comm.device)
-        for g in grads:
-            if g is not None and not torch.isfinite(g).all():
-                local.fill_(1.0)
-                break
-        return bool(comm.control_all_reduce(local, dist.ReduceOp.MAX).item())
-
-    def _global_norm(self, comm, grads, inv: float) -> float:
-        """L2 norm of the scaled fp32 gradient over every shard (one small all-reduce), computed
-        chunk by chunk from the unscaled gradients."""
-        sq = torch.zeros(1, dtype=torch.float32, device=comm.device)
-        for g in grads:
-            if g is not None:
-                sq += (g * inv if self.dtype == torch.float32 else g.float().mul_(inv)).pow(2).sum().to(sq.device)
-        if self.stage > 0:  # stage 0: every rank already holds the whole gradient
-            comm.control_all_reduce(sq)
-        return math.sqrt(sq.item())
+    def _agree_grads(self, comm, grads, seen, inv: float) -> tuple[list[list[bool]], bool, float]:
+        """One small all-reduce (none at world 1) gives every rank the same answers: per chunk and
+        slot, whether that parameter got a gradient on any rank (one that got none is not stepped:
+        torch skips a parameter whose .grad is None); with fp16, whether any rank's gradient is not
+        finite (scaling by a finite factor neither makes nor unmakes an inf or NaN, so the unscaled
+        gradients tell); with clipping, the squared L2 norm of the scaled fp32 gradient over every
+        shard, computed chunk by chunk."""
+        flags = [1.0 if i in got else 0.0 for c, got in zip(self.chunks, seen) for i in range(len(c.slots))]
+        if comm.world == 1 and self.scaler is None and self.clip is None:  # nothing to agree on: no device sync
+            return [[i in got for i in range(len(c.slots))] for c, got in zip(self.chunks, seen)], False, 0.0
+        local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
+        if self.scaler is not None:
+            for g in grads:
+                if g is not None and not torch.isfinite(g).all():
+                    local[-2] = 1.0
+                    break
+        # Stage 0: every rank holds the whole gradient, so one rank's norm is everyone's.
+        if self.clip is not None and not local[-2] and (self.stage > 0 or comm.rank == 0):
+            for g in grads:
+                if g is not None:
+                    local[-1] += (g * inv if g.dtype == torch.float32 else g.float().mul_(inv)).pow(2).sum().to(local.device)
+        if comm.world > 1:
+            comm.control_all_reduce(local)
+        got = local.tolist()
+        present, k = [], 0
+        for c in self.chunks:
+            present.append([v > 0 for v in got[k:k + len(c.slots)]])
+            k += len(c.slots)
+        return present, got[-2] > 0, got[-1]
 
     def _step_chunks(self, opt, chunks, target_of) -> list:
-        """opt.step() over these chunks' masters only (all of them: one plain step). Returns each
-        chunk's 16-bit target (see _copy_target), which an optimizer that can (CPUAdamW) has
-        written in the same pass."""
+        """opt.step() over these chunks' master pieces only (all of them: one plain step). Returns
+        each chunk's 16-bit target (see _copy_target), which an optimizer that can (CPUAdamW) has
+        written in the same pass, piece by piece."""
         fused_copy = getattr(opt, "copy_targets", None)
-        targets = [target_of(c, len(chunks) == 1) for c in chunks]
+        targets = [target_of(c) for c in chunks]
         for c, target in zip(chunks, targets):
             if target is not None and fused_copy is not None and target.dtype != torch.float32:
-                fused_copy[id(c.master)] = target
+                lo = c.owned_range[0]
+                for pc in c.pieces:
+                    fused_copy[id(pc.param)] = target[pc.lo - lo:pc.hi - lo].view(pc.param.shape)
         # The user's optimizer is stepped through its own step (an LR scheduler wraps that to
         # count calls); the delayed update's view of it through the class's.
         run = opt.step if opt is self.optimizer else (lambda: type(opt).step(opt))
         if len(chunks) == len(self.chunks):
             run()
             return targets
-        group = opt.param_groups[0]
-        saved, group["params"] = group["params"], [c.master for c in chunks]
+        keep = {id(pc.param) for c in chunks for pc in c.pieces}
+        saved = [g["params"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
         try:
             run()
         finally:
-            group["params"] = saved
+            for g, params in zip(opt.param_groups, saved):
+                g["params"] = params
         return targets
 
-    def _copy_target(self, c, ring: bool) -> torch.Tensor | None:
+    def _copy_target(self, c) -> torch.Tensor | None:
         """Where the 16-bit copy of an updated master goes when it can be written on the master's
         side: the shard itself when both live on the same side, a host staging buffer when the
         master is on the host and the shard on the device, a device buffer when it is the other way
-        round. None in fp32: the master itself is (or is copied into) the shard. `ring`: chunks
-        step one at a time, so host staging buffers can be reused (see _staging_for)."""
+        round (host chunks step one at a time, so two staging buffers take turns: _staging_for).
+        None in fp32: the master itself is (or is copied into) the shard."""
         if c.master_is_shard:
             return None
         shard_on_host = c.stage == 3 and c.placement.params_on_host
@@ -277,7 +308,7 @@ class ShardedOptimizer:
         if self.dtype == torch.float32:
             return None
         if c.placement.optimizer_on_host:
-            return self._staging_for(c) if ring else c.transfer.host_empty(c.master.numel(), self.dtype)
+            return self._staging_for(c)
         # master on the device, shard on the host: convert on the device, then download
         return torch.empty(c.master.numel(), dtype=self.dtype, device=c.master.device)
 
@@ -289,8 +320,8 @@ class ShardedOptimizer:
         buf, reader = self._staging[slot]
         if reader is not None:
             reader.sync()
-        if buf is None:
-            buf = c.transfer.host_empty(max(x.master.numel() for x in self.chunks), self.dtype)
+        if buf is None:  # zeroed once: elements outside master pieces are uploaded as they are
+            buf = c.transfer.host_empty(max(x.master.numel() for x in self.chunks), self.dtype).zero_()
         self._staging[slot] = (buf, None)
         self._staging_slot_of[id(c)] = slot
         return buf[:c.master.numel()]
@@ -298,7 +329,7 @@ class ShardedOptimizer:
     def _publish(self, c, target) -> None:
         """Bring chunk c's updated master into its compute shard."""
         if not c.master_is_shard:
-            if target is not None and id(c.master) not in getattr(self.optimizer, "copied", ()):
+            if target is not None and not self._all_copied(c, self.optimizer):
                 target.copy_(c.master)
             if target is c.shard:
                 pass
@@ -310,6 +341,14 @@ class ShardedOptimizer:
                 upload.wait()
             else:  # master on the device, shard offloaded to the host: download
                 c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()
+
+    @staticmethod
+    def _all_copied(c, opt) -> bool:
+        """Whether `opt` (CPUAdamW) wrote the 16-bit copy of every master piece of chunk c while
+        stepping it (not a piece that got no gradient, nor without its compiled kernel). Elements
+        outside the pieces (alignment gaps, padding) are never read as parameters."""
+        copied = getattr(opt, "copied", ())
+        return bool(c.pieces) and all(id(pc.param) in copied for pc in c.pieces)
 
     def _gather_updated(self) -> None:
         """Stages 1-2: start every updated chunk's all-gather, which gives every rank the whole
@@ -331,8 +370,9 @@ class ShardedOptimizer:
         self._state_bytes_at_launch = self.state_bytes()
         for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
             if id(c) not in self._delay_staging:
-                self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype), None]
+                self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype).zero_(), None]
         grads = [c.take_host_grad() for c in self.chunks]
+        seen = self._grads_seen()
         # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
         hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
                  for g in self.optimizer.param_groups]
@@ -340,11 +380,11 @@ class ShardedOptimizer:
         self.update = UpdateState.IN_FLIGHT
         # Not a daemon: one killed inside a torch kernel at interpreter exit aborts the process;
         # exit waits for the last update instead.
-        self._thread = threading.Thread(target=self._run_delayed, args=(grads, hyper, inv), daemon=False,
+        self._thread = threading.Thread(target=self._run_delayed, args=(grads, seen, hyper, inv), daemon=False,
                                         name="zeroshard-delayed-update")
         self._thread.start()
 
-    def _run_delayed(self, grads, hyper, inv: float) -> None:
+    def _run_delayed(self, grads, seen, hyper, inv: float) -> None:
         """The background thread: everything of one host step but the upload."""
         try:
             if self.comm.device.type == "cuda":  # a new thread starts on device 0
@@ -359,11 +399,11 @@ class ShardedOptimizer:
                 before = dict(view.__dict__)
 
                 def to_staging(c, target):
-                    if id(c.master) not in getattr(view, "copied", ()):
+                    if not self._all_copied(c, view):
                         target.copy_(c.master)
 
-                outcome = self._update([fold_host_grad(h, p) for h, p in grads], inv, self.side_comm, view,
-                                       lambda c, ring: self._delay_target(c), to_staging)
+                outcome = self._update([fold_host_grad(h, p) for h, p in grads], seen, inv, self.side_comm, view,
+                                       self._delay_target, to_staging)
                 changed = {k: v for k, v in view.__dict__.items()
                            if k != "param_groups" and before.get(k, view) is not v}
                 self._outcome = (*outcome, changed)
@@ -396,6 +436,7 @@ class ShardedOptimizer:
         self._account(applied, overflow, norm)
         if not applied:
             return False
+        self.applied_updates += 1
         for c in self.chunks:
             slot = self._delay_staging[id(c)]
             slot[1] = c.arriving = c.transfer.to_device(slot[0], out=c.shard)  # waited for at first use
@@ -415,8 +456,9 @@ class ShardedOptimizer:
 
     def _drop_grads(self) -> None:
         for c in self.chunks:
-            c.master.grad = None
-        for name in ("copied", "grad_inputs"):  # CPUAdamW's per-step side channels
+            for pc in c.pieces:
+                pc.param.grad = None
+        for name in ("copied", "grad_inputs", "copy_targets"):  # CPUAdamW's per-step side channels
             if hasattr(self.optimizer, name):
                 getattr(self.optimizer, name).clear()
 
@@ -425,7 +467,7 @@ class ShardedOptimizer:
         are on the host."""
         if self.update is UpdateState.IN_FLIGHT:  # the thread may be creating state: as at launch
             return dict(self._state_bytes_at_launch)
-        host_of = {id(c.master): c.placement.optimizer_on_host for c in self.chunks}
+        host_of = {id(pc.param): c.placement.optimizer_on_host for c in self.chunks for pc in c.pieces}
         out = {False: 0, True: 0}
         for p, st in self.optimizer.state.items():
             out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()

@@ -1,0 +1,123 @@
+"""The wrapped module's own state API under sharding: `model.load_state_dict(...)` after
+`zeroshard.initialize` loads into what training reads.
+
+Plain `load_state_dict` copies each value into the module's parameter. zeroshard keeps more copies
+of a parameter than the module shows: the fp32 master of this rank's owned range (16-bit training,
+or an optimizer on the host), and at stage 3 only a shard, with a placeholder in the module. A load
+hook per module therefore writes each loaded value, in full fp32 precision, into every copy this
+rank keeps: the master piece, the compute storage (the full chunk at stages 0-2, the shard at
+stage 3); then torch's own copy into the module's parameter runs as usual (stages 0-2) or is
+absorbed by the placeholder (stage 3). Every rank loads its own copy of the state dict, as with
+plain torch, so no collective runs. Optimizer state is left as it is, as torch leaves it.
+
+`full_parameters` (Engine.full_parameters) is the context for everything else of the module's API
+that reads or writes parameters as whole tensors (state_dict, save_pretrained, in-place edits): every
+parameter is the whole fp32 value for its duration, and what it holds at the end is written back as a
+load would write it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .hooks import Stage3Hooks, direct_params
+
+
+class StateDictLoading:
+    """Installs the load hooks. `real_params(module)`: its direct parameters even while stage 3 has
+    placeholders in their place; `slot_of`: id(param) -> (chunk, slot); `before_load()`: called
+    before anything is written (lands a delayed update, waits for arriving chunks, drops the rCache's
+    gathered copies, which the load makes stale); False: leave the load to torch (the parameters hold
+    their full values: Engine.full_parameters)."""
+
+    def __init__(self, model: nn.Module, real_params: Callable, slot_of: Callable[[], dict],
+                 hooks: Stage3Hooks | None, before_load: Callable[[], None]):
+        self.real_params = real_params
+        self.slot_of = slot_of
+        self.hooks = hooks
+        self.before_load = before_load
+        self._handles = []
+        for m in model.modules():
+            if direct_params(m):
+                self._handles.append(m.register_load_state_dict_pre_hook(self._pre_load))
+                if hooks is not None:
+                    self._handles.append(m.register_load_state_dict_post_hook(self._post_load))
+
+    def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("zeroshard: load_state_dict(..., assign=True) would put new tensors in place of the "
+                               "parameters zeroshard shards and trains; load without assign=True")
+        if not self.before_load():
+            return
+        slot_of = self.slot_of()
+        for name, p in self.real_params(module):
+            value = state_dict.get(prefix + name)
+            c, s = slot_of[id(p)]
+            if torch.is_tensor(value) and value.shape == s.shape:  # torch itself reports what is not
+                _write(c, s, value)
+        if self.hooks is not None:
+            self.hooks.absorb_copies(module, True)
+
+    def _post_load(self, module, incompatible) -> None:
+        self.hooks.absorb_copies(module, False)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def route_zero_grad(model: nn.Module, zero_grad: Callable[[], None]) -> None:
+    """`model.zero_grad()` on the wrapped model drops the engine's gradients (they live in its
+    chunks, not in the parameters' .grad): it calls `zero_grad` (Engine.zero_grad) instead."""
+    def model_zero_grad(set_to_none: bool = True) -> None:
+        zero_grad()
+    model.zero_grad = model_zero_grad
+
+
+@torch.no_grad()
+def _write(c, s, value: torch.Tensor) -> None:
+    """Write one parameter's value into the copies of it that chunk c keeps on this rank."""
+    flat = value.detach().reshape(-1)
+
+    def put(dst: torch.Tensor, dst_lo: int, lo: int, hi: int) -> None:
+        """dst holds chunk elements from dst_lo; write the parameter's elements in [lo, hi)."""
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            dst[a - dst_lo:b - dst_lo].copy_(flat[a - s.offset:b - s.offset])
+
+    if c.full is not None and c.stage < 3:
+        put(c.full, 0, 0, c.padded_numel)
+    else:
+        put(c.shard, c.shard_range[0], *c.shard_range)
+    if c.master is not None and not c.master_is_shard:
+        put(c.master, c.owned_range[0], *c.owned_range)
+
+
+@contextlib.contextmanager
+def full_parameters(engine, writeback: bool):
+    """See Engine.full_parameters."""
+    engine.apply_delayed_update()
+    if engine.stage == 3:
+        engine.cache.flush()
+    values = engine.layout.full_values()  # collective: fp32, from the masters (frozen: the 16-bit copies)
+    for p in engine.params:
+        p.data = values[id(p)]
+    if engine.hooks is not None:
+        engine.hooks.show_real_parameters(True)
+    try:
+        yield
+        if writeback:
+            for c in engine.chunks:
+                for s in c.slots:
+                    _write(c, s, s.param.data)
+    finally:
+        if engine.hooks is not None:
+            engine.hooks.show_real_parameters(False)
+        for c in engine.chunks:
+            if engine.stage == 3:
+                c.unbind_params()
+            else:
+                c.bind_params()
