@@ -273,3 +273,20 @@ def test_step_inside_backward_raises():
     out.register_hook(lambda g: engine.step())
     with pytest.raises(RuntimeError, match="step\\(\\) called while the engine is in backward"):
         engine.backward(out)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_torch_clip_grad_norm_on_trained_parameters_raises(stage):
+    """Issue 14, defect 9: torch.nn.utils.clip_grad_norm_(model.parameters()) between backward and
+    step found no .grad (gradients live in the chunks) and silently clipped nothing at stages 0-2
+    (ShardedParameterError at stage 3). It raises GradientsInChunksError, naming the config key; on
+    other parameters it is torch's own."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine = zeroshard.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {"stage": stage})
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    with pytest.raises(zeroshard.GradientsInChunksError, match="clip_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0
+    assert engine.step()

@@ -18,6 +18,8 @@ load would write it.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Callable
 
 import torch
@@ -121,3 +123,37 @@ def full_parameters(engine, writeback: bool):
                 c.unbind_params()
             else:
                 c.bind_params()
+
+
+class GradientsInChunksError(RuntimeError):
+    """A torch function that reads parameters' .grad was given parameters zeroshard trains: their
+    gradients live in its chunks, so it would see none."""
+
+
+_managed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a parameter zeroshard trains
+
+
+def guard_grad_readers(params) -> None:
+    """Make torch.nn.utils.clip_grad_norm_ (the gradient reader every training loop calls) raise
+    GradientsInChunksError for `params` instead of clipping nothing: their .grad is None, since
+    gradients go into the chunks, so torch would find a norm of 0 and leave the step unclipped."""
+    for p in params:
+        _managed[id(p)] = p
+    utils = torch.nn.utils
+    if getattr(utils.clip_grad_norm_, "_zeroshard_guard", False):
+        return
+    original = utils.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(_managed.get(id(p)) is p for p in params):
+            raise GradientsInChunksError(
+                "zeroshard: torch.nn.utils.clip_grad_norm_ was given parameters that zeroshard trains: their "
+                "gradients live in zeroshard's chunks (sharded, reduced at the step), so torch would see none "
+                "and clip nothing. Set the config's clip_grad_norm instead (the same global L2 norm, over every "
+                "shard); engine.stats()['grad_norm'] reports it")
+        return original(params, *args, **kwargs)
+    clip_grad_norm_._zeroshard_guard = True
+    utils.clip_grad_norm_ = clip_grad_norm_
+    utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
