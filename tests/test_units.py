@@ -290,3 +290,29 @@ def test_torch_clip_grad_norm_on_trained_parameters_raises(stage):
     other(torch.ones(1, 2)).sum().backward()
     assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0
     assert engine.step()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_moving_the_wrapped_model_raises_and_changes_nothing(stage):
+    """Issue 14, defect 9: model.to(...) after initialize pointed parameters at new tensors at stages
+    0-2 (the forward read those, the optimizer stepped the chunks: training silently stopped). A move
+    or cast raises (ModuleMovedError; ShardedParameterError at stage 3) and leaves the parameters on
+    their chunks; a move to where they already are passes. Training then matches an engine never
+    moved."""
+    from models import max_diff
+    data = torch.randn(3, 2, 4)
+    results = []
+    for move in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        engine = zeroshard.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {"stage": stage})
+        for x in data:
+            if move:
+                model.to(torch.float32)  # already there: nothing happens
+                model.float()
+                with pytest.raises((zeroshard.ModuleMovedError, zeroshard.ShardedParameterError)):
+                    model.to(torch.float64)
+            engine.backward(engine(x).pow(2).mean())
+            assert engine.step()
+        results.append(engine.full_state_dict())
+    assert max_diff(results[0], results[1]) == 0.0

@@ -20,11 +20,11 @@ from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
 from .layout import FrozenParameterError
-from .module_state import GradientsInChunksError
+from .module_state import GradientsInChunksError, ModuleMovedError
 from .profiler import Profile, profile
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
-           "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ShardedParameterError"]
+           "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

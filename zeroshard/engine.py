@@ -26,7 +26,7 @@ from .config import Config
 from .hardware import default_device
 from .hooks import ArrivalHooks, Stage3Hooks, direct_params, weak_method
 from .layout import ChunkLayout, list_parameters, resolve_state
-from .module_state import StateDictLoading, full_parameters, guard_grad_readers, route_zero_grad
+from .module_state import StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad
 from .offload import Placement, Transfer
 from .ordering import STEP
 from .optimizer import LossScaler, ShardedOptimizer, as_factory, default_optimizer
@@ -120,6 +120,7 @@ class Engine:
             hooks, real = self.hooks, self.hooks.real
             self.layout.real_params = lambda m: hooks.params_of(m) if m in real else direct_params(m)
         route_zero_grad(module, weak_method(self.zero_grad))
+        guard_moves(module, lambda layout=self.layout: layout.chunks)
         guard_grad_readers(list(self.params) + ([t for ts in self.hooks.placeholders.values() for _, t in ts]
                                                 if self.hooks else []))
         layout = self.layout  # the hooks below live on the module: no reference to the engine itself

@@ -37,8 +37,27 @@ _METADATA = {
     torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_leaf.__get__,
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_meta.__get__,
+    torch._has_compatible_shallow_copy_type,
+    # None: a gradient lives in its chunk (torch's clip_grad_norm_ on these raises: module_state.py)
+    torch.Tensor.grad.__get__,
 }
 _REQUIRES_GRAD = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}
+
+
+_CASTS = {torch.Tensor.to: None, torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+          torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64, torch.Tensor.cpu: None}
+
+
+def _unchanged(func, args, kwargs) -> bool:
+    """Whether a cast or move of the placeholder args[0] would return it as it is."""
+    t = args[0]
+    if func is torch.Tensor.cpu:
+        return t.device.type == "cpu"
+    if func is not torch.Tensor.to:
+        return _CASTS[func] == t.dtype
+    with torch._C.DisableTorchFunctionSubclass():
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
 
 
 class ShardedParameterError(RuntimeError):
@@ -65,6 +84,11 @@ class ShardedPlaceholder(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         if func is torch.Tensor.copy_ and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_absorb_copies:
             return args[0]
+        if func in _CASTS and isinstance(args[0], ShardedPlaceholder) and _unchanged(func, args, kwargs or {}):
+            return args[0]  # model.to(where it is), model.float() in fp32: nothing to do
+        # nn.Module._apply putting an unchanged placeholder back (`==`: a method-wrapper is made anew each time)
+        if func == torch.Tensor.data.__set__ and args[1] is args[0]:
+            return None
         if func in _REQUIRES_GRAD and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_param is not None:
             # freezing or unfreezing through model.parameters(): the real parameter's flag, and its stand-in's
             func(args[0]._zs_param, *args[1:], **(kwargs or {}))

@@ -157,3 +157,45 @@ def guard_grad_readers(params) -> None:
     clip_grad_norm_._zeroshard_guard = True
     utils.clip_grad_norm_ = clip_grad_norm_
     utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+class ModuleMovedError(RuntimeError):
+    """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
+
+
+def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:
+    """`model.to(...)`, `.cuda()`, `.half()` and the like after initialize would point parameters at
+    new tensors: the forward would read those, the optimizer would step the chunks, and training
+    would silently stop. Each module's `_apply` is followed by a check that its parameters still
+    view their chunks; where one does not, every parameter is put back on its chunk and
+    ModuleMovedError is raised (a move to where the parameters already are changes nothing and
+    passes)."""
+    def check() -> None:
+        moved = []
+        for c in chunks():
+            if c.full is None:  # stage 3, sharded: the module holds placeholders
+                continue
+            for s in c.slots:
+                if s.numel and s.param.data_ptr() != c.full[s.offset:].data_ptr():
+                    moved.append(s.name)
+            if moved:
+                c.bind_params()
+        if moved:
+            for c in chunks():
+                if c.full is not None:
+                    c.bind_params()
+            raise ModuleMovedError(
+                f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved or cast after zeroshard.initialize "
+                "(model.to / .cuda / .half ...): the engine owns where parameters live and in which dtype. Move "
+                "the model before initialize, choose the dtype with the config's precision; the parameters "
+                "are back on their chunks (buffers may have moved)")
+
+    for m in model.modules():
+        if direct_params(m):
+            apply = m._apply
+
+            def guarded(fn, recurse=True, apply=apply):
+                out = apply(fn, recurse)
+                check()
+                return out
+            m._apply = guarded

@@ -256,7 +256,8 @@ class ShardedOptimizer:
         if self.clip is not None and not local[-2] and (self.stage > 0 or comm.rank == 0):
             for g in grads:
                 if g is not None:
-                    local[-1] += (g * inv if g.dtype == torch.float32 else g.float().mul_(inv)).pow(2).sum().to(local.device)
+                    scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)
+                    local[-1] += scaled.pow(2).sum().to(local.device)
         if comm.world > 1:
             comm.control_all_reduce(local)
         got = local.tolist()
