@@ -295,10 +295,10 @@ def test_torch_clip_grad_norm_on_trained_parameters_raises(stage):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_moving_the_wrapped_model_raises_and_changes_nothing(stage):
     """Issue 14, defect 9: model.to(...) after initialize pointed parameters at new tensors at stages
-    0-2 (the forward read those, the optimizer stepped the chunks: training silently stopped). A move
-    or cast raises (ModuleMovedError; ShardedParameterError at stage 3) and leaves the parameters on
-    their chunks; a move to where they already are passes. Training then matches an engine never
-    moved."""
+    0-2, detached from the chunks the optimizer steps (here: torch's dtype mismatch at the next
+    forward; a move the inputs still matched would have trained nothing). A move or cast raises
+    (ModuleMovedError; ShardedParameterError at stage 3) and leaves the parameters on their chunks;
+    a move to where they already are passes. Training then matches an engine never moved."""
     from models import max_diff
     data = torch.randn(3, 2, 4)
     results = []
