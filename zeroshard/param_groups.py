@@ -93,12 +93,16 @@ def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int,
 def state_at_build(opt: torch.optim.Optimizer, params: list[list]) -> dict:
     """The state an optimizer like `opt` (its class, each group's hyperparameters) holds right after
     it is built over `params` (one list per group): empty for most, Adagrad's initial accumulator."""
-    cls = type(opt)
-    accepted = inspect.signature(cls.__init__).parameters
-    kw = {k: v for k, v in opt.defaults.items() if k in accepted}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
               for g, ps in zip(opt.param_groups, params) if ps]
-    return dict(cls(groups, **kw).state) if groups else {}
+    return dict(type(opt)(groups, **_constructor_args(type(opt), opt.defaults)).state) if groups else {}
+
+
+def _constructor_args(cls, hyper: dict) -> dict:
+    """The entries of `hyper` (a group's or the defaults' hyperparameters) that `cls` takes as
+    keyword arguments (AdamW's defaults hold a `decoupled_weight_decay` its constructor refuses)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in hyper.items() if k != "params" and k in accepted}
 
 
 def _same_state(a, b) -> bool:
@@ -115,6 +119,5 @@ def as_factory(optimizer):
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    kw = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted}
+    kw = _constructor_args(cls, optimizer.param_groups[0])
     return lambda params: cls(params, **kw)
