@@ -11,7 +11,7 @@ import tempfile
 import torch
 
 import zeroshard
-from models import batches, make_adamw, make_sgd, max_diff, tiny_gpt2
+from models import batches, inputs, make_adamw, make_sgd, max_diff, parity, tiny_gpt2
 from scenarios import _gather, run_all
 
 SCENARIOS = {}
@@ -289,20 +289,9 @@ def dynamic_control_flow(rank, world, make_opt, stage):
     """A module run in some steps and not others, and on some ranks only: where no rank ran it,
     torch leaves it alone (no momentum step, no weight decay); where one rank did, its gradient
     counts (issue 14, defect 1: it moved under momentum with a zero gradient)."""
-    g = torch.Generator().manual_seed(5)
-    data = torch.randn(4, world, 4, 8, generator=g)
-    ref = Gated()
-    opt = make_opt(list(ref.parameters()))
-    for k, step in enumerate(data):
-        loss = sum(ref(step[r], uses_b(k, r)).pow(2).mean() for r in range(world)) / world
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    engine = zeroshard.initialize(Gated(), make_opt, {"stage": stage, "chunk_size": 300})
-    for k, step in enumerate(data):
-        engine.backward(engine(step[rank], uses_b(k, rank)).pow(2).mean())
-        engine.step()
-    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict())}
+    _, diff = parity(rank, world, Gated, lambda m, x, k, r, _: m(x, uses_b(k, r)).pow(2).mean(),
+                     inputs(4, world, 4, 8), make_opt, {"stage": stage, "chunk_size": 300})
+    return {"diff": diff}
 
 
 _add("dynamic_control_flow", dynamic_control_flow)
@@ -388,20 +377,10 @@ class UsesReturnedWeight(torch.nn.Module):
 def returned_parameter(rank, world, make_opt, stage):
     """Issue 14, defect 7: at stage 3 with cache_chunks=1 the parent got "size of tensor a (16) must
     match the size of tensor b (0)" (the child's chunk was released): it trains as in torch."""
-    g = torch.Generator().manual_seed(5)
-    data = torch.randn(3, world, 4, 16, generator=g)
-    ref = UsesReturnedWeight()
-    opt = make_opt(list(ref.parameters()))
-    for step in data:
-        ref(step.reshape(-1, 16)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
     cfg = {"stage": stage, "chunk_size": 256, **({"cache_chunks": 1} if stage == 3 else {})}
-    engine = zeroshard.initialize(UsesReturnedWeight(), make_opt, cfg)
-    for step in data:
-        engine.backward(engine(step[rank]).pow(2).mean())
-        engine.step()
-    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()), "chunks": len(engine.chunks)}
+    engine, diff = parity(rank, world, UsesReturnedWeight, lambda m, x, *_: m(x).pow(2).mean(),
+                          inputs(3, world, 4, 16), make_opt, cfg)
+    return {"diff": diff, "chunks": len(engine.chunks)}
 
 
 _add("returned_parameter", returned_parameter)
@@ -426,24 +405,13 @@ def multihead_attention(rank, world, make_opt, stage):
     """Issue 14, defect 8: at stage 3 nn.MultiheadAttention (hence nn.Transformer*) failed with
     ShardedParameterError: out_proj's parameters are read outside out_proj's forward. A parameter a
     module reads from a submodule that never runs is gathered with the reading module."""
-    g = torch.Generator().manual_seed(5)
-    data = torch.randn(3, world, 2, 5, 8, generator=g)
-    ref = Encoder()
-    opt = make_opt(list(ref.parameters()))
-    for step in data:
-        ref(step.reshape(-1, 5, 8)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    engine = zeroshard.initialize(Encoder(), make_opt, {"stage": stage, "chunk_size": 600,
-                                                        **({"cache_chunks": 1} if stage == 3 else {})})
-    for step in data:
-        engine.backward(engine(step[rank]).pow(2).mean())
-        engine.step()
+    data = inputs(3, world, 2, 5, 8)
+    cfg = {"stage": stage, "chunk_size": 600, **({"cache_chunks": 1} if stage == 3 else {})}
+    engine, diff = parity(rank, world, Encoder, lambda m, x, *_: m(x).pow(2).mean(), data, make_opt, cfg)
     engine.eval()
     with torch.no_grad():
         evaluated = engine(data[0, rank])
-    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()), "chunks": len(engine.chunks),
-            "eval_finite": bool(torch.isfinite(evaluated).all())}
+    return {"diff": diff, "chunks": len(engine.chunks), "eval_finite": bool(torch.isfinite(evaluated).all())}
 
 
 for _stage in range(4):

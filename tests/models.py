@@ -107,8 +107,42 @@ def train(engine, data, rank, loss_fn=None):
 
 
 def max_diff(a: dict, b: dict) -> float:
+    """Largest elementwise difference between two state dicts with the same keys (tensors with no
+    elements count as equal)."""
     assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a)
+    return max([(a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a if a[k].numel()] or [0.0])
+
+
+def inputs(steps, world, *shape, seed=5):
+    """Random inputs [steps, world, *shape]: rank r trains on [:, r]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(steps, world, *shape, generator=g)
+
+
+def parity(rank, world, build, loss_of, data, make_opt, cfg=None, accumulation=1, before_step=None):
+    """Train `build()` through the engine on rank `rank`'s data and the same model in plain torch on
+    every rank's data: the reference loss is the mean of the ranks' losses, one backward per
+    micro-batch. data: [steps, accumulation, world, ...] (or [steps, world, ...] when accumulation
+    is 1). loss_of(model, x, step, rank, micro) -> loss. Returns (engine, max difference)."""
+    import zeroshard
+    if accumulation == 1:
+        data = data.unsqueeze(1)
+    ref = build()
+    opt = make_opt(list(ref.parameters()))
+    for k, step in enumerate(data):
+        for m, micro in enumerate(step):
+            (sum(loss_of(ref, micro[r], k, r, m) for r in range(world)) / (world * accumulation)).backward()
+        if before_step is not None:
+            before_step(ref, k)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    engine = zeroshard.initialize(build(), make_opt, {"stage": 0, **(cfg or {}),
+                                                      "gradient_accumulation_steps": accumulation})
+    for k, step in enumerate(data):
+        for m, micro in enumerate(step):
+            engine.backward(loss_of(engine, micro[rank], k, rank, m))
+            engine.step()
+    return engine, max_diff(engine.full_state_dict(), ref.state_dict())
 
 
 class Quirky(torch.nn.Module):

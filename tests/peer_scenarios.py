@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard
+from models import inputs, max_diff, parity
 from scenarios import _gather, run_all
 
 SCENARIOS = {}
@@ -29,42 +30,6 @@ def sgd(ps):
 
 def adam(ps):
     return torch.optim.Adam(ps, lr=1e-3)
-
-
-def diff(a: dict, b: dict) -> float:
-    """Largest elementwise difference between two state dicts with the same keys (empty tensors too)."""
-    assert set(a) == set(b), sorted(set(a) ^ set(b))
-    return max([(a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a if a[k].numel()] or [0.0])
-
-
-def inputs(steps, world, *shape, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, world, *shape, generator=g)
-
-
-def parity(rank, world, build, loss_of, data, make_opt=sgd, cfg=None, accumulation=1, before_step=None):
-    """Train `build()` through the engine on rank `rank`'s data and the same model in plain torch on
-    every rank's data: the reference loss is the mean of the ranks' losses, one backward per
-    micro-batch. data: [steps, accumulation, world, ...] (or [steps, world, ...] when accumulation
-    is 1). loss_of(model, x, step, rank, micro) -> loss. Returns (engine, max difference)."""
-    if accumulation == 1:
-        data = data.unsqueeze(1)
-    ref = build()
-    opt = make_opt(list(ref.parameters()))
-    for k, step in enumerate(data):
-        for m, micro in enumerate(step):
-            (sum(loss_of(ref, micro[r], k, r, m) for r in range(world)) / (world * accumulation)).backward()
-        if before_step is not None:
-            before_step(ref, k)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    engine = zeroshard.initialize(build(), make_opt, {"stage": 0, **(cfg or {}),
-                                                      "gradient_accumulation_steps": accumulation})
-    for k, step in enumerate(data):
-        for m, micro in enumerate(step):
-            engine.backward(loss_of(engine, micro[rank], k, rank, m))
-            engine.step()
-    return engine, diff(engine.full_state_dict(), ref.state_dict())
 
 
 def per_stage(name, fn, stages=STAGES):
@@ -724,7 +689,7 @@ def adagrad_param_groups(rank, world, stage):
         engine.backward(engine(step[rank]).pow(2).mean())
         engine.step()
     keys = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
-    return {"diff": diff(engine.full_state_dict(), ref.state_dict()),
+    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()),
             "groups_kept": keys == [{k: v for k, v in g.items() if k != "params"} for g in ropt.param_groups]}
 
 
@@ -766,7 +731,7 @@ def sgd_groups_through_a_checkpoint(rank, world, stage):
     resumed = zeroshard.initialize(m, opt_of(m), {"stage": stage, "chunk_size": 48})
     resumed.load_checkpoint(root)
     train(resumed, data[2:])
-    return {"diff": diff(resumed.full_state_dict(), whole.full_state_dict()),
+    return {"diff": max_diff(resumed.full_state_dict(), whole.full_state_dict()),
             "weight_decay": [g["weight_decay"] for g in resumed.optimizer.param_groups]}
 
 
