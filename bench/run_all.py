@@ -29,6 +29,9 @@ Parts (each runs the benchmark script named, as a subprocess, and reads its --js
   against ZeRO's Table 1.
 - cpu_adam: bench/cpu_adam.py, 64M elements (8M with --quick).
 - profile_plan: bench/profile_plan.py: OPT-175B meta profile, chunk search, activation prediction.
+- sharded_load: bench/sharded_load.py: each rank's peak memory while a pretrained GPT-2 medium (355M)
+  is built and loaded at world 3, stage 3, bf16: built normally, or on the meta device with
+  `weights=` or `load_weights`, against the goal of 0.6 x its fp32 bytes (GPT-2 2 x 256 with --quick).
 - gpu: on a CUDA machine only, bench/offload_gpt2.py on GPT-2 sizes from 1B up to the first that does
   not fit; "skipped: no GPU" elsewhere. --force-gpu-smoke runs two tiny configurations on the CPU
   instead, to exercise the part's code.
@@ -61,7 +64,7 @@ import torch
 MIB = 2**20
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-PARTS = ["step_time", "comm", "memory", "timeline", "cpu_adam", "profile_plan", "gpu"]
+PARTS = ["step_time", "comm", "memory", "timeline", "cpu_adam", "profile_plan", "sharded_load", "gpu"]
 
 # Peers on gpt2-tiny (ANCHORS_WORKLOAD only), from shared/notes/anchors.md: (step seconds, ratio to DDP) on a
 # machine of this kind.
@@ -784,6 +787,28 @@ def render_gpu(ctx, part):
     return md, [ctx.save(fig, "gpu.png")]
 
 
+def run_sharded_load(ctx, part):
+    path = ctx.tmp("sharded_load.json")
+    size = ["--n-layer", "2", "--n-embd", "256"] if ctx.quick else []
+    run_command([sys.executable, os.path.join(BENCH, "sharded_load.py"), *size, "--json", path],
+                ctx.log("sharded_load"), 1200)
+    part["data"] = load_json(path)
+
+
+def render_sharded_load(ctx, part):
+    d = part["data"]
+    md = [f"`python bench/sharded_load.py`: GPT-2 {d['n_layer']} x {d['n_embd']} ({d['params'] / 1e6:.1f}M parameters, "
+          f"{d['fp32_bytes'] / 1e9:.2f} GB in fp32), world {d['world']}, stage 3, bf16: each rank's peak resident memory "
+          "over initialize + load (VmHWM growth), goal at most 0.6 x the fp32 model for the meta paths.", "",
+          "| path | peak per rank (MB) | x fp32 model | resident after (MB) | seconds | bit for bit |",
+          "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        md.append(f"| {r['label']} | {', '.join(f'{p / 1e6:,.0f}' for p in r['peak_bytes'])} | {r['of_fp32']:.2f} | "
+                  f"{max(r['resident_bytes']) / 1e6:,.0f} | {r['seconds']:.1f} | {r['bitwise']} |")
+    md.append(f"| from_pretrained (one process) | | | | {d['from_pretrained_seconds']:.1f} | |")
+    return md, []
+
+
 PART_FUNCS = {
     "step_time": (run_step_time, render_step_time, "Step time"),
     "comm": (run_comm, render_comm, "Communication per step"),
@@ -791,6 +816,7 @@ PART_FUNCS = {
     "timeline": (run_timeline, render_timeline, "Memory timeline of the demo"),
     "cpu_adam": (run_cpu_adam, render_cpu_adam, "CPU AdamW"),
     "profile_plan": (run_profile_plan, render_profile_plan, "Profiler and planner"),
+    "sharded_load": (run_sharded_load, render_sharded_load, "Building and loading a pretrained model"),
     "gpu": (run_gpu, render_gpu, "Single-GPU throughput with offload"),
 }
 

@@ -93,15 +93,24 @@ def test_cli_paper(capsys):
 
 def test_cli_count_and_fit(capsys):
     assert zeroshard.cli.main(["estimate", "7.5B", "--gpus", "1,64", "--gpu-memory", "32GB"]) == 0
-    memory, largest = capsys.readouterr().out.split("\n\n")
+    memory, largest, load = capsys.readouterr().out.split("\n\n")
     assert table_rows(memory)["2"] == ["120.00 / 0.00 no", "16.64 / 0.00 ok"]
     assert table_rows(memory)["3 + offload"] == ["15.00 / 105.00 ok", "0.23 / 1.64 ok"]
     assert table_rows(largest)["3"] == ["2.0B", "128.0B"]
     assert table_rows(largest)["3 + offload + params"] == ["any (host-bound)"] * 2
+    rows = table_rows(load)
+    assert "8 ranks per node" in load
+    assert rows["built normally: each rank builds the whole model (fp32)"][0] == "240.00"  # 8 x 4 x 7.5B
+    assert rows["on the meta device: initialize(meta model, weights=...)"][0] == "give a model to size its largest tensor"
 
 
 def test_cli_model_and_errors(capsys):
-    assert zeroshard.cli.main(["estimate", "gpt2", "--gpus", "2"]) == 0
-    assert "124,439,808 parameters" in capsys.readouterr().out
+    assert zeroshard.cli.main(["estimate", "gpt2", "--gpus", "2", "--ranks-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808 parameters" in out
+    # built normally: 2 x 4 x 124.4M; on meta: 2 x 4 x the embedding's 50257 x 768
+    rows = table_rows(out.split("\n\n")[-1])
+    assert rows["built normally: each rank builds the whole model (fp32)"][0] == "1.00"
+    assert rows["on the meta device: initialize(meta model, weights=...)"][0] == "0.31"
     assert zeroshard.cli.main(["estimate"]) == 2
     assert zeroshard.cli.main(["estimate", "1B", "--gpus", "0"]) == 2

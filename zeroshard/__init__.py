@@ -20,15 +20,19 @@ from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
 from .layout import FrozenParameterError
+from .materialize import UninitializedTensorError
 from .module_state import GradientsInChunksError, ModuleMovedError
+from .pretrained import WeightsError
 from .profiler import Profile, profile
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
-           "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError"]
+           "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError",
+           "UninitializedTensorError", "WeightsError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
-               *, device: torch.device | str | None = None, example_inputs=None) -> Engine:
+               *, device: torch.device | str | None = None, example_inputs=None, weights=None,
+               init_fn=None) -> Engine:
     """Wrap `model` for ZeRO data-parallel training.
 
     optimizer: a torch.optim.Optimizer built over the model's parameters, with any param groups (as
@@ -44,6 +48,17 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
     example_inputs: with offload/stage 'auto', one micro-batch as the model is called in training (a
         tensor, a tuple of arguments or a dict of keyword arguments; only shapes and dtypes are used):
         the model is profiled on the meta device, the machine measured (cached), and the plan applied.
+    weights: pretrained weights to start from (a Hugging Face folder with model.safetensors or a
+        sharded model.safetensors.index.json, a .safetensors file, or a `zeroshard export` output):
+        each rank reads only what it keeps, straight into its shards (pretrained.py). Tensors not in
+        the file keep the model's values (initialised, for a model on the meta device), with a
+        warning; a shape mismatch raises WeightsError.
+    init_fn: for a model built on the meta device, `init_fn(module)` initialises a module's own
+        tensors instead of its reset_parameters() / transformers' _init_weights (materialize.py).
+    The model may be built on the meta device (`with torch.device("meta"): model = ...`): each rank
+    then materialises only what it keeps, one parameter at a time, so no rank ever holds the whole
+    model; config `init_seed` seeds it. A model built normally works too; at stage 3 its own
+    parameter storage is freed as soon as the chunks hold it.
     The process group comes from torchrun's environment (gloo on CPU, NCCL on CUDA); without it the
     world is this one process.
     """
@@ -53,4 +68,4 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
                          "torch.optim.AdamW(ps, lr=1e-3)), or None")
     cfg = load_config(config)
     return Engine(model, optimizer, cfg, torch.device(device) if device is not None else None,
-                  example_inputs=example_inputs)
+                  example_inputs=example_inputs, weights=weights, init_fn=init_fn)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -105,6 +106,14 @@ class Slot:
     shape: torch.Size
 
 
+# Where a chunk's initial values come from: fill(slot, lo, hi) returns elements [lo, hi) of the
+# slot's parameter, flattened, in any floating dtype (read as fp32), as one tensor or as an iterable of
+# consecutive blocks (a file read a block at a time). A chunk asks only for what its
+# rank stores, each range once (layout.py builds the sources: the model's own tensors, a meta-device
+# initialiser, pretrained weights, or the chunks of a re-pack).
+Fill = Callable[[Slot, int, int], torch.Tensor]
+
+
 @dataclass
 class MasterPiece:
     """One parameter's master piece: chunk elements [lo, hi) of the owned range, and `param`, an
@@ -141,7 +150,7 @@ class Chunk:
 
     @torch.no_grad()
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
-                 dtype: torch.dtype, device: torch.device, trainable: bool, values: list[torch.Tensor],
+                 dtype: torch.dtype, device: torch.device, trainable: bool, fill: "Fill",
                  comm=None, placement: Placement = Placement(), transfer: Transfer | None = None,
                  grad_dtype: torch.dtype | None = None):
         self.index = index
@@ -160,22 +169,16 @@ class Chunk:
         self.shard_range = (lo, lo + self.shard_numel)
         self.owned_range = (0, self.padded_numel) if stage == 0 else self.shard_range
 
-        # Build the full chunk once from the parameters' current values (fp32 where available, so
-        # the master copy starts exact), then keep what this stage keeps.
-        full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
-        for s, v in zip(slots, values):
-            full32[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
-        if comm is not None:  # ranks start from rank 0's values, as DDP does
-            comm.broadcast(full32)
-        lo, hi = self.owned_range
+        # Storage, zeroed (the padding stays zero), then filled with the initial values.
         if stage == 3:
             self.full = None
-            shard = full32[lo:hi].to(dtype)
-            self.shard = self.transfer.host_copy_of(shard) if placement.params_on_host else shard.clone()
+            self.shard = self.transfer.host_empty(self.shard_numel, dtype) if placement.params_on_host \
+                else torch.empty(self.shard_numel, dtype=dtype, device=device)
+            self.shard.zero_()
             self.state = ChunkState.SHARDED
         else:
-            self.full = full32 if dtype == torch.float32 else full32.to(dtype)
-            self.shard = self.full[lo:hi]
+            self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+            self.shard = self.full[self.owned_range[0]:self.owned_range[1]]  # stage 0: the whole chunk
             self.state = ChunkState.GATHERED
         self.master = None
         # fp32 training with master and shard on the same side: the optimizer updates the compute
@@ -184,13 +187,13 @@ class Chunk:
             placement.optimizer_on_host == (stage == 3 and placement.params_on_host))
         if trainable:
             if self.master_is_shard:
-                master = self.shard
-            elif placement.optimizer_on_host:
-                master = self.transfer.host_copy_of(full32[lo:hi])
+                self.master = self.shard
             else:
-                master = full32[lo:hi].clone()
-            self.master = master
-        del full32
+                n = self.owned_range[1] - self.owned_range[0]
+                self.master = self.transfer.host_empty(n, torch.float32) if placement.optimizer_on_host \
+                    else torch.empty(n, dtype=torch.float32, device=device)
+                self.master.zero_()
+        self._fill(fill, comm, rank)
         self.pieces: list[MasterPiece] = self._master_pieces() if trainable else []
         # In-flight async collectives. Gathers and reductions are independent and can overlap (a
         # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
@@ -221,8 +224,16 @@ class Chunk:
         # module's forward, its stage-3 gather) waits for it, so it overlaps the forward instead of
         # holding back its start.
         self.arriving = None  # anything with wait(): a collective's work, a Pending copy
-        if stage != 3:
+        if not any(s.param.is_meta for s in slots):  # meta parameters: once every chunk is built
+            self.attach_params()
+
+    def attach_params(self) -> None:
+        """Point the parameters at this chunk: at their views of the full chunk (stages 0-2), or at
+        nothing (stage 3), which frees the storage they had as built at once, not at a first gather."""
+        if self.stage != 3:
             self.bind_params()
+        else:
+            self.unbind_params()
 
     def _master_pieces(self) -> list[MasterPiece]:
         lo, hi = self.owned_range
@@ -234,6 +245,65 @@ class Chunk:
                 view = base[a - lo:b - lo]
                 out.append(MasterPiece(s, i, a, b, nn.Parameter(view.view(s.shape) if b - a == s.numel else view)))
         return out
+
+    def held_range(self) -> tuple[int, int]:
+        """The chunk elements whose value this rank stores: the whole chunk at stages 0-2, the shard
+        at stage 3."""
+        return self.shard_range if self.stage == 3 else (0, self.padded_numel)
+
+    def _fill(self, fill: "Fill", comm, rank: int) -> None:
+        """Write the initial values. With `comm`, every rank takes rank 0's values (as DDP does): rank
+        0 fills the whole chunk in fp32 and broadcasts it (other ranks ask `fill` for nothing).
+        Otherwise each rank asks `fill` only for the elements it stores (at stage 3, its shard), so
+        no rank holds more of the model than its own states plus one parameter."""
+        def blocks(got):
+            return [got.reshape(-1)] if torch.is_tensor(got) else got
+
+        if comm is not None:
+            full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+            if rank == 0:
+                for s in self.slots:
+                    full32[s.offset:s.offset + s.numel].copy_(torch.cat(list(blocks(fill(s, 0, s.numel)))))
+            comm.broadcast(full32)
+            self.write_elements(0, self.padded_numel, full32)
+            return
+        lo, hi = self.held_range()
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                self.write_blocks(s, a - s.offset, blocks(fill(s, a - s.offset, b - s.offset)))
+
+    @torch.no_grad()
+    def write_elements(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Write chunk elements [lo, hi) (`values`, any floating dtype, read as fp32) into every copy
+        of them this rank keeps: the full chunk or the shard in the compute dtype, and the fp32 master."""
+        def put(dst: torch.Tensor, dst_lo: int) -> None:
+            a, b = max(lo, dst_lo), min(hi, dst_lo + dst.numel())
+            if a < b:
+                dst[a - dst_lo:b - dst_lo].copy_(values[a - lo:b - lo])
+
+        if self.full is not None and self.stage < 3:
+            put(self.full, 0)
+        else:
+            put(self.shard, self.shard_range[0])
+        if self.master is not None and not self.master_is_shard:
+            put(self.master, self.owned_range[0])
+
+    def write(self, slot: Slot, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Write elements [lo, hi) of one parameter (flattened) into the copies this rank keeps."""
+        self.write_elements(slot.offset + lo, slot.offset + hi, values.reshape(-1))
+
+    def write_blocks(self, slot: Slot, lo: int, blocks) -> None:
+        """Write consecutive blocks of one parameter's flattened elements, from element `lo` on."""
+        for block in blocks:
+            self.write(slot, lo, lo + block.numel(), block)
+            lo += block.numel()
+
+    def discard(self) -> None:
+        """Drop this chunk's storage (a re-pack copied it into new chunks, which own it now)."""
+        self.full = self.shard = self.master = None
+        self.pieces = []
+        self.grad_full = self.grad_shard = self.host_grad = None
 
     @property
     def full_bytes(self) -> int:

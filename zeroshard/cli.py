@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--optimizer", choices=("adam", "sgd-momentum", "sgd"), default="adam")
     m.add_argument("--gpu-memory", type=size, default=None, help="memory per GPU, e.g. 80GB: say what fits and the "
                    "largest model that would")
+    m.add_argument("--ranks-per-node", type=int, default=8, help="processes (GPUs) per node, for the host memory "
+                   "needed while the model is built and loaded (default 8)")
     m.add_argument("--paper", action="store_true", help="print the ZeRO paper's Table 1 and Table 2 (theoretical)")
     m.set_defaults(func=cmd_estimate, subparser=m)
     return parser
@@ -243,7 +245,7 @@ def parameter_count(text: str) -> float | None:
 
 
 def cmd_estimate(args) -> int:
-    from .estimate import estimate, largest_model, table1, table2
+    from .estimate import estimate, largest_model, load_host_bytes, table1, table2
     if args.paper:
         head = ("DP",) + tuple(f"{m} {s}" for m in ("7.5B", "128B", "1T") for s in ("P_os", "P_os+g", "P_os+g+p"))
         print("ZeRO Table 1: per-device model-state memory (GB), mixed-precision Adam (K = 12)")
@@ -256,11 +258,15 @@ def cmd_estimate(args) -> int:
         print()
     if args.model is None:
         raise UsageError("give MODEL (a parameter count such as 7.5B, or a model), or --paper")
+    if args.ranks_per_node < 1:
+        raise UsageError("--ranks-per-node must be at least 1")
     psi = parameter_count(args.model)
     source = f"{psi:,.0f} parameters" if psi is not None else ""
+    largest = None
     if psi is None:
         loaded = load_model(args.model, checkpointing=False)
         psi = float(sum(p.numel() for p in loaded.model.parameters()))
+        largest = float(max(t.numel() for t in list(loaded.model.parameters()) + list(loaded.model.buffers())))
         source = f"{loaded.source}: {psi:,.0f} parameters"
     kw = dict(precision=args.precision, optimizer=args.optimizer)
     print(f"{source}; {args.precision}, {args.optimizer}; model states per GPU in GB (1e9 bytes), "
@@ -285,6 +291,17 @@ def cmd_estimate(args) -> int:
                                                                               **kw)) for n in args.gpus)
                 for stage, off in configs]
         print(markdown(head, rows))
+    print()
+    per_node = args.ranks_per_node
+    normal = load_host_bytes(psi, largest, per_node, meta=False)
+    meta = load_host_bytes(psi, largest, per_node, meta=True)
+    print(f"host memory per node while the model is built and loaded ({per_node} ranks per node), beyond the "
+          "host column above:")
+    print(markdown(("construction", "GB per node", "per rank"), [
+        ("built normally: each rank builds the whole model (fp32)", f"{normal / 1e9:.2f}", "4 bytes x parameters"),
+        ("on the meta device: initialize(meta model, weights=...)",
+         "give a model to size its largest tensor" if meta is None else f"{meta / 1e9:.2f}",
+         "4 bytes x the largest tensor")]))
     return 0
 
 

@@ -66,6 +66,9 @@ class Config:
         kept in fp32 ('fp32'); every module with parameters casts its floating inputs to the compute
         dtype (True) or only the root's inputs are (False); gradients accumulated and reduced in the
         compute dtype ('compute') or in fp32 ('fp32': twice the gradient memory and traffic).
+    init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
+        initialised from it and its own name, so the model is the same at any world size, stage and
+        chunk size.
     """
 
     stage: int = 2
@@ -87,6 +90,7 @@ class Config:
     cast_forward_inputs: bool = True
     reduce_dtype: str = "compute"
     device_memory: int | None = None
+    init_seed: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -116,6 +120,8 @@ class Config:
             bad("offload", "'auto' or false")
         if self.device_memory is not None and (not is_int(self.device_memory) or self.device_memory < 1):
             bad("device_memory", "an integer >= 1 (bytes), or None for the device's total")
+        if not is_int(self.init_seed) or self.init_seed < 0:
+            bad("init_seed", "an integer >= 0")
         if self.precision not in PRECISIONS:
             bad("precision", "'fp32', 'bf16' or 'fp16'")
         if not is_int(self.gradient_accumulation_steps) or self.gradient_accumulation_steps < 1:

@@ -26,6 +26,7 @@ from .config import Config
 from .hardware import default_device
 from .hooks import ArrivalHooks, Stage3Hooks, direct_params, weak_method
 from .layout import ChunkLayout, list_parameters, resolve_state
+from .materialize import InitialValues
 from .module_state import StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad
 from .offload import Placement, Transfer
 from .ordering import STEP
@@ -55,7 +56,7 @@ class Engine:
     """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, device: torch.device | None = None,
-                 example_inputs=None):
+                 example_inputs=None, weights=None, init_fn=None):
         self.device = device or default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -83,6 +84,8 @@ class Engine:
 
         self.params, self.names = list_parameters(module)
         self.shapes = {id(p): p.shape for p in self.params}
+        start = InitialValues(module, self.params, weights, init_fn, config.init_seed)
+        start.check(self.comm)  # collective: a file a rank cannot read raises on every rank
         cast_buffers(module, self.dtype, config.buffer_dtype)
         self.state_keys = resolve_state(module, self.device)
         self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
@@ -109,7 +112,9 @@ class Engine:
         if config.check_order:
             self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
-        self.layout.build(order, [p.detach() for p in order], broadcast=True)
+        self.layout.build(order, start.fill, broadcast=start.broadcast)
+        start.finish(self.comm, self.params, self.chunks, self.device)
+        del start
         self.cache.set_chunks(self.chunks)
         self.optim.attach(self.chunks)
 
@@ -354,6 +359,34 @@ class Engine:
         values (and buffers as they are), on the CPU."""
         from .checkpoint import full_state_dict
         return full_state_dict(self)
+
+    def load_weights(self, path, strict: bool = True):
+        """Collective: load pretrained weights (a Hugging Face folder: model.safetensors or a sharded
+        model.safetensors.index.json; a .safetensors file; a `zeroshard export` output) into the
+        masters and compute copies, each rank reading only the ranges it keeps (pretrained.py).
+        Keys are matched as load_state_dict matches them (tied weights, transformers' ignorable keys
+        and base-model prefix included); with `strict`, anything missing or unexpected, and always a
+        shape mismatch, raises WeightsError on every rank before anything is written. Optimizer state
+        is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
+        from .pretrained import load_weights
+        if not self._before_load():
+            raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
+        return load_weights(self, path, strict)
+
+    def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> str:
+        """Collective: write the model as a folder `from_pretrained` opens: its weights as
+        model.safetensors, or files of at most `max_shard_size` (bytes, or '5GB') with
+        model.safetensors.index.json, and the model's transformers config. Values are the fp32
+        masters (`dtype` converts floating ones), tied weights written once; streamed a chunk at a
+        time, file i written by rank i mod world, so no rank holds the model (pretrained.py).
+        Returns the folder."""
+        from .pretrained import save_pretrained
+        if self.phase is not TrainingPhase.IDLE:
+            raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
+        self.apply_delayed_update()
+        if self.stage == 3:
+            self.cache.flush()
+        return save_pretrained(self, path, max_shard_size, dtype)
 
     def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None) -> str:
         """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),

@@ -74,6 +74,18 @@ def estimate(params: float, stage: int, world: int, **kw) -> Estimate:
     return Estimate(stage, kw.get("offload", "none"), d * params, h * params)
 
 
+def load_host_bytes(params: float, largest: float | None, ranks_per_node: int, meta: bool) -> float | None:
+    """Host bytes per node while the model is built and its weights loaded, beyond its model states
+    (materialize.py, pretrained.py). Built normally, every rank holds the whole model as built, in
+    fp32: 4 * params per rank (DeepSpeed's estimator without zero.Init says the same). Built on the
+    meta device, a rank holds one tensor at a time beside its states: at most the largest, whole and
+    in fp32, while an initialiser fills it (a stage-3 rank loading pretrained weights reads only its
+    1/N of it, in 16 MiB blocks): 4 * largest per rank. None when the largest tensor is unknown."""
+    if not meta:
+        return 4 * params * ranks_per_node
+    return None if largest is None else 4 * largest * ranks_per_node
+
+
 def largest_model(device_bytes: float, stage: int, world: int, **kw) -> float:
     """The most parameters whose model states fit in `device_bytes` per device (activations and
     buffers not counted); inf when nothing stays on the device."""

@@ -4,9 +4,7 @@ The file is written as a stream: its header first (every name, dtype, shape and 
 the checkpoint's metadata), then the tensors in state_dict order, read from the shards a few at a
 time (at most `batch_bytes`, or one tensor when it alone is larger). So the model never sits in
 memory whole, let alone twice: the peak is about one batch plus the largest stored piece of one
-tensor. (The safetensors package writes only from tensors that are all in memory at once, hence the
-few lines below that write its documented format: an 8-byte little-endian header length, a JSON
-header padded to 8 bytes, the raw little-endian data. The result is read back with safetensors.)
+tensor (StreamedSafetensors, which engine.save_pretrained uses too).
 
 OUT is the file itself when it ends in `.safetensors`, else a folder holding `model.safetensors` and,
 for a model that has a transformers config, `config.json`: a folder `from_pretrained` opens.
@@ -41,8 +39,6 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     by default a progress bar on stderr when it is a terminal, and the closing line."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    if sys.byteorder != "little":  # tensors are written as they are in memory
-        raise CheckpointError("zeroshard export: safetensors is little-endian; this machine is not")
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     lines = progress  # None: a progress bar instead of lines while writing
     t0 = time.perf_counter()
@@ -77,22 +73,13 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
             raise CheckpointError(f"zeroshard: {key} is {want}, which safetensors cannot hold")
         entries.append((key, source, want, tuple(md.size), begin))
         begin += md.size.numel() * want.itemsize
-    header = {"__metadata__": {"format": "pt"}}
-    for key, _, want, shape, first in entries:
-        header[key] = {"dtype": SAFETENSORS_DTYPES[want], "shape": list(shape),
-                       "data_offsets": [first, first + math.prod(shape) * want.itemsize]}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-
     total = begin
-    tmp = target + f".partial-{os.getpid()}"  # renamed when complete and checked: no half-written OUT
+    out_file = StreamedSafetensors(target, [(key, want, shape) for key, _, want, shape, _ in entries])
     try:
-        _write(tmp, text, entries, saved, path, batch_bytes, total, lines)
-        _check(tmp, entries)
-        os.replace(tmp, target)
+        _write(out_file, entries, saved, path, batch_bytes, total, lines)
+        out_file.commit()
     except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        out_file.abort()
         raise
     if folder and meta.get("hf_config") is not None:
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -102,14 +89,12 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     return target
 
 
-def _write(tmp: str, header: bytes, entries, saved, path: str, batch_bytes: int, total: int, say) -> None:
+def _write(out: "StreamedSafetensors", entries, saved, path: str, batch_bytes: int, total: int, say) -> None:
     from tqdm import tqdm
     written, next_report = 0, 0.1
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="zeroshard export", leave=False,
                disable=True if say is not None else None)  # None: shown on a terminal only
-    with bar, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
+    with bar:
         i = 0
         while i < len(entries):
             batch, size = [], 0
@@ -124,29 +109,79 @@ def _write(tmp: str, header: bytes, entries, saved, path: str, batch_bytes: int,
             for key, source, want, shape, _ in batch:
                 if source is None:
                     continue
-                t = state[source].to(want).contiguous()
-                if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
-                    f.write((ctypes.c_char * (t.numel() * want.itemsize)).from_address(t.data_ptr()))
-                written += t.numel() * want.itemsize
-                bar.update(t.numel() * want.itemsize)
+                out.write(key, state[source])
+                written += math.prod(shape) * want.itemsize
+                bar.update(math.prod(shape) * want.itemsize)
             del state
             if say is not None and total and written / total >= next_report:
                 say(f"zeroshard export: {written / 1e6:,.1f} / {total / 1e6:,.1f} MB")
                 next_report = written / total + 0.1
-        f.flush()
-        os.fsync(f.fileno())
+
+
+class StreamedSafetensors:
+    """One safetensors file written a tensor at a time, in any order: the header (every key, dtype
+    and shape, so every offset) goes first, each tensor's bytes at its offset. Written to a temporary
+    name; `commit()` syncs it, reads the header back with safetensors and renames it into place;
+    `abort()` removes it. (The safetensors package writes only from tensors that are all in memory
+    at once, hence the few lines below that write its documented format: an 8-byte little-endian
+    header length, a JSON header padded to 8 bytes, the raw little-endian data.)"""
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple]], metadata: dict | None = None):
+        if sys.byteorder != "little":  # tensors are written as they are in memory
+            raise CheckpointError("zeroshard: safetensors is little-endian; this machine is not")
+        self.path = path
+        self.tmp = path + f".partial-{os.getpid()}"  # no half-written file under the real name
+        header, self.entries, begin = {"__metadata__": metadata or {"format": "pt"}}, {}, 0
+        for key, dtype, shape in entries:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"zeroshard: {key} is {dtype}, which safetensors cannot hold")
+            end = begin + math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+            self.entries[key] = (dtype, tuple(shape), begin)
+            begin = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.data_start = 8 + len(text)
+        self.nbytes = begin  # of tensor data
+        self.file = open(self.tmp, "wb")
+        self.file.write(struct.pack("<Q", len(text)))
+        self.file.write(text)
+        self.file.truncate(self.data_start + begin)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write `key`'s value (converted to its declared dtype)."""
+        dtype, shape, first = self.entries[key]
+        t = tensor.detach().to("cpu", dtype).contiguous()
+        assert tuple(t.shape) == shape, (key, t.shape, shape)
+        if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
+            self.file.seek(self.data_start + first)
+            self.file.write((ctypes.c_char * (t.numel() * dtype.itemsize)).from_address(t.data_ptr()))
+
+    def close(self) -> None:
+        """Sync the data and read the header back (every key, with its shape)."""
+        from safetensors import safe_open
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        with safe_open(self.tmp, framework="pt") as f:
+            keys = set(f.keys())
+            for key, (_, shape, _) in self.entries.items():
+                if key not in keys or tuple(f.get_slice(key).get_shape()) != shape:
+                    raise CheckpointError(f"zeroshard: {self.path} came out wrong at {key}")
+
+    def rename(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def commit(self) -> None:
+        self.close()
+        self.rename()
+
+    def abort(self) -> None:
+        if not self.file.closed:
+            self.file.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
 
 
 def _stored_bytes(saved, source: str | None) -> int:
     return 0 if source is None else saved[source].size.numel() * saved[source].properties.dtype.itemsize
-
-
-def _check(target: str, entries) -> None:
-    """Read the header back with safetensors: every key, with its shape."""
-    from safetensors import safe_open
-
-    with safe_open(target, framework="pt") as f:
-        keys = set(f.keys())
-        for key, _, _, shape, _ in entries:
-            if key not in keys or tuple(f.get_slice(key).get_shape()) != shape:
-                raise CheckpointError(f"zeroshard: {target} came out wrong at {key}")

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .chunks import Chunk, ChunkState, Slot, pack
+from .chunks import Chunk, ChunkState, Fill, Slot, pack
 from .collectives import Comm
 from .hooks import FirstUseRecorder, direct_params
 from .offload import Placement, Transfer
@@ -69,12 +69,13 @@ class ChunkLayout:
         # unfrozen later raises FrozenParameterError rather than piling gradients up unseen).
         self.trainable: dict[int, bool] = {}
 
-    def build(self, order: list[nn.Parameter], values: list[torch.Tensor], broadcast: bool) -> None:
+    def build(self, order: list[nn.Parameter], fill: Fill, broadcast: bool,
+              prepare: Callable[[list[Slot]], None] = lambda slots: None) -> None:
         """Pack `order` into chunks (trainable and frozen parameters apart: frozen ones have no
-        gradients and no optimizer state) with the given full values; `broadcast`: ranks take rank
-        0's values."""
+        gradients and no optimizer state), one chunk at a time, taking initial values from `fill`
+        (chunks.Fill). `broadcast`: ranks take rank 0's values. `prepare(slots)`: called on every
+        rank before each chunk is built (a collective may run in it)."""
         chunks, self.slot_of, self._module_chunks = [], {}, {}
-        value_of = {id(p): v for p, v in zip(order, values)}
         for p in order:
             self.trainable.setdefault(id(p), p.requires_grad)
         for trainable in (True, False):
@@ -82,11 +83,11 @@ class ChunkLayout:
             for placed in pack([self.shapes[id(p)].numel() for p in group], self.capacity):
                 slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
                               self.shapes[id(group[i])]) for i, off in placed]
+                prepare(slots)
                 c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
-                          dtype=self.dtype, device=self.device, trainable=trainable,
-                          values=[value_of[id(s.param)] for s in slots], comm=self.comm if broadcast else None,
-                          placement=self.placement_of(len(chunks)), transfer=self.transfer,
-                          grad_dtype=self.grad_dtype)
+                          dtype=self.dtype, device=self.device, trainable=trainable, fill=fill,
+                          comm=self.comm if broadcast else None, placement=self.placement_of(len(chunks)),
+                          transfer=self.transfer, grad_dtype=self.grad_dtype)
                 chunks.append(c)
                 for s in slots:
                     self.slot_of[id(s.param)] = (c, s)
@@ -95,11 +96,38 @@ class ChunkLayout:
     def repack(self, order: list[nn.Parameter]) -> None:
         """Collective: pack the parameters anew in `order`, values kept. The chunks are new objects:
         whoever holds the old ones (the rCache, the optimizer) must have let them go and be given
-        these."""
+        these. Streams: each new chunk is built from the old chunks it draws on, gathered (fp32) one
+        new chunk at a time, and an old chunk lets go of its storage once every parameter in it has
+        moved, so no rank ever holds the whole model: at most its model states twice over (the old
+        masters stay alive while the optimizer holds their pieces) plus the chunks in transit."""
         log.info("zeroshard: re-packing %d chunks in order of first use", len(self.chunks))
-        full = self.full_values()
         self.release_gathered()
-        self.build(order, [full[id(p)] for p in order], broadcast=False)
+        old_of = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
+        left = {c: len(c.slots) for c in self.chunks}
+        gathered: dict[Chunk, torch.Tensor] = {}
+
+        def prepare(slots: list[Slot]) -> None:  # the same old chunks, in the same order, on every rank
+            need = list(dict.fromkeys(old_of[id(s.param)][0] for s in slots))
+            for c in [c for c in gathered if c not in need]:
+                del gathered[c]
+            for c in need:
+                if c not in gathered:
+                    gathered[c] = self.full_fp32(c)
+            for s in slots:
+                c = old_of[id(s.param)][0]
+                left[c] -= 1
+                if not left[c]:
+                    c.discard()  # its values live on in `gathered` until this chunk is built
+
+        def fill(slot: Slot, lo: int, hi: int) -> torch.Tensor:
+            c, s = old_of[id(slot.param)]
+            return gathered[c][s.offset + lo:s.offset + hi]
+
+        self.comm.counting = False
+        try:
+            self.build(order, fill, broadcast=False, prepare=prepare)
+        finally:
+            self.comm.counting = True
 
     def differs(self, order: list[nn.Parameter]) -> bool:
         """Whether packing `order` would change the layout (trainable parameters pack first)."""
@@ -170,23 +198,28 @@ class ChunkLayout:
         return got
 
     @torch.no_grad()
+    def full_fp32(self, c: Chunk) -> torch.Tensor:
+        """Collective: chunk c's whole value in fp32 on the device, from the masters (a frozen chunk:
+        from its 16-bit copies)."""
+        if c.master is not None:
+            src, (lo, hi) = c.master.detach(), c.owned_range
+        else:
+            src, (lo, hi) = c.shard, c.owned_range
+        src = src.to(self.device)  # an offloaded shard: the collective runs on the device
+        if (lo, hi) == (0, c.padded_numel):
+            return src.float()
+        full = torch.empty(c.padded_numel, dtype=src.dtype, device=self.device)
+        self.comm.all_gather(full, src)
+        return full.float()
+
+    @torch.no_grad()
     def full_values(self) -> dict[int, torch.Tensor]:
         """Full fp32 value of every parameter, by id (a collective; not counted as step traffic)."""
         out = {}
         self.comm.counting = False
         try:
             for c in self.chunks:
-                if c.master is not None:
-                    src, lo, hi = c.master.detach(), *c.owned_range
-                else:
-                    src, (lo, hi) = c.shard, c.owned_range
-                src = src.to(self.device)  # an offloaded shard: the collective runs on the device
-                if (lo, hi) == (0, c.padded_numel):
-                    full = src.float()
-                else:
-                    full = torch.empty(c.padded_numel, dtype=src.dtype, device=self.device)
-                    self.comm.all_gather(full, src)
-                    full = full.float()
+                full = self.full_fp32(c)
                 for s in c.slots:
                     out[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape)
         finally:

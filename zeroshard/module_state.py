@@ -79,23 +79,12 @@ def route_zero_grad(model: nn.Module, zero_grad: Callable[[], None]) -> None:
     model.zero_grad = model_zero_grad
 
 
-@torch.no_grad()
 def _write(c, s, value: torch.Tensor) -> None:
-    """Write one parameter's value into the copies of it that chunk c keeps on this rank."""
-    flat = value.detach().reshape(-1)
-
-    def put(dst: torch.Tensor, dst_lo: int, lo: int, hi: int) -> None:
-        """dst holds chunk elements from dst_lo; write the parameter's elements in [lo, hi)."""
-        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-        if a < b:
-            dst[a - dst_lo:b - dst_lo].copy_(flat[a - s.offset:b - s.offset])
-
-    if c.full is not None and c.stage < 3:
-        put(c.full, 0, 0, c.padded_numel)
-    else:
-        put(c.shard, c.shard_range[0], *c.shard_range)
-    if c.master is not None and not c.master_is_shard:
-        put(c.master, c.owned_range[0], *c.owned_range)
+    """Write one parameter's whole value into the copies of it that chunk c keeps on this rank."""
+    lo, hi = c.held_range()
+    a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+    if a < b:
+        c.write(s, a, b, value.detach().reshape(-1)[a:b])
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ class ParamGroups:
 
     def __init__(self, optimizer, names: dict[int, str]):
         self.user_optimizer = optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):  # now, while the parameters still hold their values
+            _check_fresh(optimizer)
         self.names = names
         self.group_of: dict[int, int] = {}  # id(model parameter) -> its group index
         self.default_group: int | None = None  # the group of a parameter not in group_of
@@ -73,7 +75,7 @@ class ParamGroups:
 
 def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, int]:
     """The param group index of each model parameter `opt` holds (by id); raises ValueError if it
-    holds a tensor that is not one of the model's parameters (`names`: id -> name), or has state."""
+    holds a tensor that is not one of the model's parameters (`names`: id -> name)."""
     group_of = {}
     for i, g in enumerate(opt.param_groups):
         for p in g["params"]:
@@ -84,10 +86,14 @@ def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int,
             if id(p) in group_of:
                 raise ValueError(f"zeroshard: parameter {names[id(p)]} is in two param groups of the optimizer")
             group_of[id(p)] = i
+    return group_of
+
+
+def _check_fresh(opt: torch.optim.Optimizer) -> None:
+    """Raise ValueError if `opt` holds more state than it made when built (it has stepped)."""
     if opt.state and not _same_state(opt.state, state_at_build(opt, [g["params"] for g in opt.param_groups])):
         raise ValueError("zeroshard: the optimizer already has state (it has stepped): pass a fresh one, and "
                          "restore optimizer state with engine.load_checkpoint")
-    return group_of
 
 
 def state_at_build(opt: torch.optim.Optimizer, params: list[list]) -> dict:
@@ -107,7 +113,9 @@ def _constructor_args(cls, hyper: dict) -> dict:
 
 def _same_state(a, b) -> bool:
     def same(x, y):
-        return torch.equal(x, y) if torch.is_tensor(x) and torch.is_tensor(y) else x == y
+        if torch.is_tensor(x) and torch.is_tensor(y):  # meta tensors (a model built on meta) have no values
+            return (x.shape, x.dtype) == (y.shape, y.dtype) if x.is_meta or y.is_meta else torch.equal(x, y)
+        return x == y
     return a.keys() == b.keys() and all(a[p].keys() == b[p].keys() and all(same(a[p][k], b[p][k]) for k in a[p])
                                         for p in a)
 
