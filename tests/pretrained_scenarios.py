@@ -242,6 +242,13 @@ def weights_errors(rank, world):
     every_rank(None)
     result = engine.load_weights(folder("errors_partial"), strict=False)
     out["partial_missing"], out["partial_unexpected"] = sorted(result.missing), sorted(result.unexpected)
+    # at initialize, what the file lacks is initialised (a meta model) and the rest comes from the file
+    got = zeroshard.initialize(build("gpt2", meta=True), make_sgd, {"stage": 3, "chunk_size": SMALL_CHUNKS},
+                               weights=folder("errors_partial")).full_state_dict()
+    files = _files(folder("errors_partial"))
+    out["init_missing_rest_equal"] = all(torch.equal(got[k], v) for k, v in files.items() if k in got)
+    out["init_missing_wpe_std"] = got["transformer.wpe.weight"].std().item()
+    out["init_missing_bias_zero"] = bool((got["transformer.h.0.ln_1.bias"] == 0).all())
     return out
 
 
@@ -330,7 +337,10 @@ class Norms(nn.Module):
 def buffers(rank, world):
     """Buffers of a meta model come out as the normal constructor makes them: BatchNorm's running
     statistics and counter, Llama's rotary frequencies (computed, so equal bit for bit); the
-    MultiheadAttention's packed projection is initialised by its own _reset_parameters."""
+    MultiheadAttention's packed projection is initialised by its own _reset_parameters. Persistent
+    buffers are saved and loaded with the parameters; BatchNorm's reset_parameters, run to initialise
+    its weight (missing from the file), does not overwrite running statistics the file gave."""
+    from safetensors.torch import save_file
     with torch.device("meta"):
         m = Norms()
     e = zeroshard.initialize(m, make_sgd, {"stage": 3})
@@ -338,8 +348,33 @@ def buffers(rank, world):
     normal = Norms().state_dict()
     out = {"bn": all(torch.equal(sd[k], normal[k]) for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked",
                                                               "bn.weight", "bn.bias", "attn.in_proj_bias")),
-           "attn_in_proj_std": sd["attn.in_proj_weight"].std().item(),
-           "attn_in_proj_std_normal": normal["attn.in_proj_weight"].std().item()}
+           "attn_in_proj_std": sd["attn.in_proj_weight"].std().item()}
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    e.backward(e(x))  # training mode: the running statistics move
+    e.step()
+    trained = e.full_state_dict()
+    path = folder("norms")
+    e.save_pretrained(path)
+    files = _files(path)
+    out["saved_keys"], out["state_keys"] = sorted(files), sorted(trained)
+    out["saved_equal"] = _equal_to_files(trained, files)
+    with torch.device("meta"):
+        m = Norms()
+    out["weights_equal"] = _equal_to_files(zeroshard.initialize(m, make_sgd, {"stage": 2}, weights=path).full_state_dict(),
+                                           files)
+    later = zeroshard.initialize(Norms(), make_sgd, {"stage": 1})
+    later.load_weights(path)
+    out["load_weights_equal"] = _equal_to_files(later.full_state_dict(), files)
+    partial = folder("norms_partial")
+    if rank == 0:
+        os.makedirs(partial, exist_ok=True)
+        save_file({k: v for k, v in files.items() if k != "bn.weight"}, os.path.join(partial, "model.safetensors"))
+    every_rank(None)
+    with torch.device("meta"):
+        m = Norms()
+    got = zeroshard.initialize(m, make_sgd, {"stage": 3}, weights=partial).full_state_dict()
+    out["running_stats_from_file"] = all(torch.equal(got[k], files[k]) for k in ("bn.running_mean", "bn.running_var"))
+    out["running_stats_from_file"] &= bool(torch.equal(got["bn.weight"], torch.ones(6)))
     llama = zeroshard.initialize(build("llama", meta=True), make_sgd, {"stage": 3})
     ref = build("llama", meta=False)
     got = dict(llama.module.named_buffers())
@@ -360,6 +395,128 @@ def stage3_frees_model(rank, world):
 
 
 SCENARIOS["stage3_frees_model"] = stage3_frees_model
+
+
+def save_over_a_folder(rank, world):
+    """save_pretrained into a folder that holds an earlier save (sharded, then one file) and other
+    files: the earlier weight files go, the others stay; into a path that is a file: WeightsError on
+    every rank."""
+    e = zeroshard.initialize(build("gpt2", meta=True), make_sgd, {"stage": 3, "chunk_size": SMALL_CHUNKS})
+    path = folder("over")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "tokenizer.json"), "w") as f:
+            f.write("{}")
+        with open(folder("a_file"), "w") as f:
+            f.write("not a folder")
+    every_rank(None)
+    e.save_pretrained(path, max_shard_size=20_000)
+    first = sorted(os.listdir(path))
+    e.save_pretrained(path)
+    return {"first": first, "second": sorted(os.listdir(path)),
+            "equal": _equal_to_files(e.full_state_dict(), _files(path)),
+            "into_a_file": _error_on_every_rank(lambda: e.save_pretrained(folder("a_file")))}
+
+
+SCENARIOS["save_over_a_folder"] = save_over_a_folder
+
+
+def meta_variants(rank, world):
+    """A meta model with a frozen parameter, the optimizer (and parameters) offloaded, bf16: trains
+    exactly like the same model built normally with the same values and the same config."""
+    out = {}
+    for name, cfg in (("offload_bf16_stage2", {"stage": 2, "offload_optimizer": True, "precision": "bf16"}),
+                      ("offload_all_stage3", {"stage": 3, "offload_optimizer": True, "offload_params": True})):
+        meta = build("gpt2", meta=True)
+        meta.transformer.wpe.weight.requires_grad_(False)
+        e = zeroshard.initialize(meta, make_sgd, {**cfg, "chunk_size": SMALL_CHUNKS})
+        normal = build("gpt2", meta=False)
+        normal.load_state_dict(e.full_state_dict())
+        normal.transformer.wpe.weight.requires_grad_(False)
+        n = zeroshard.initialize(normal, make_sgd, {**cfg, "chunk_size": SMALL_CHUNKS})
+        data = batches(2, world, 1, vocab=96, seq=16)
+        _train(e, data, rank)
+        _train(n, data, rank)
+        out[name] = max_diff(e.full_state_dict(), n.full_state_dict())
+    return out
+
+
+SCENARIOS["meta_variants"] = meta_variants
+
+
+class Rebinds(nn.Module):
+    """reset_parameters replaces the bias Parameter while the weight is being materialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 3))
+        self.bias = nn.Parameter(torch.empty(3))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight)
+        self.bias = nn.Parameter(torch.full((3,), 0.5))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class Scaled(nn.Module):
+    """An initialiser that computes from another parameter's value: on meta it cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(3, 3))
+        self.gain = nn.Parameter(torch.full((3,), 2.0))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            nn.init.normal_(self.weight)
+            self.weight.mul_(self.gain)
+            self.gain.fill_(2.0)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class Gated(nn.Module):
+    """An initialiser that looks at requires_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight.requires_grad:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def initialiser_isolation(rank, world):
+    """Initialisers run on one tensor at a time: what they do to other slots is undone (the module
+    keeps its own Parameter objects), a value computed from a tensor still on meta raises rather than
+    leave the tensor as it was, and the stand-in looks like the parameter (requires_grad)."""
+    with torch.device("meta"):
+        m = Rebinds()
+    bias = m.bias
+    e = zeroshard.initialize(m, make_sgd, {"stage": 3})
+    sd = e.full_state_dict()
+    out = {"same_bias_object": m._parameters["bias"] is bias or getattr(m._parameters["bias"], "_zs_param", None) is bias,
+           "bias": sd["bias"].tolist(), "weight_std": sd["weight"].std().item()}
+    with torch.device("meta"):
+        scaled = Scaled()
+    out["scaled"] = _error_on_every_rank(lambda: zeroshard.initialize(scaled, make_sgd, {"stage": 2}))
+    with torch.device("meta"):
+        gated = Gated()
+    out["gated"] = zeroshard.initialize(gated, make_sgd, {"stage": 1}).full_state_dict()["weight"].tolist()
+    return out
+
+
+SCENARIOS["initialiser_isolation"] = initialiser_isolation
 
 
 def run(rank, world, out_path, only=None):

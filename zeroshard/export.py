@@ -144,9 +144,13 @@ class StreamedSafetensors:
         self.data_start = 8 + len(text)
         self.nbytes = begin  # of tensor data
         self.file = open(self.tmp, "wb")
-        self.file.write(struct.pack("<Q", len(text)))
-        self.file.write(text)
-        self.file.truncate(self.data_start + begin)
+        try:
+            self.file.write(struct.pack("<Q", len(text)))
+            self.file.write(text)
+            self.file.truncate(self.data_start + begin)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write `key`'s value (converted to its declared dtype)."""

@@ -25,7 +25,8 @@ Vocabulary:
   module that fills an nn.Parameter or a buffer (`register_buffer("mask", torch.tril(...))`) in its
   constructor, which the meta device cannot replay. An initialiser that needs the values of other
   tensors (they are still on meta: `.item()`, copying from one) raises, and is reported the same
-  way. Remedies: a `reset_parameters()` on that module, `init_fn`, weights from a file
+  way, as is a float tensor left partly unwritten (NaN, its fill before the initialisers run).
+  Remedies: a `reset_parameters()` on that module, `init_fn`, weights from a file
   (`weights=`), or building that module on a real device (only meta tensors are materialised).
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .pretrained import WeightFiles, WeightsError, agree, match
 
@@ -53,7 +55,8 @@ def on_meta(module: nn.Module) -> bool:
 
 
 class _Writes(TorchDispatchMode):
-    """Records the storages that in-place and out= ops write."""
+    """Records the storages that in-place and out= ops write, and refuses a write into a real tensor
+    computed from a meta one (on meta it would silently leave the real tensor as it was)."""
 
     def __init__(self):
         super().__init__()
@@ -65,8 +68,17 @@ class _Writes(TorchDispatchMode):
             if a.alias_info is not None and a.alias_info.is_write:
                 v = args[i] if i < len(args) else kwargs.get(a.name)
                 if isinstance(v, torch.Tensor) and not v.is_meta:
+                    flat, _ = tree_flatten((args, kwargs))
+                    if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+                        raise RuntimeError(f"{func} writes a real tensor from the value of a tensor still on "
+                                           "the meta device")
                     self.storages.add(v.untyped_storage().data_ptr())
         return func(*args, **kwargs)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
 
 
 def _seed(base: int, name: str, step: int) -> int:
@@ -110,15 +122,29 @@ class MetaInit:
     @torch.no_grad()
     def value(self, name: str, meta: torch.Tensor) -> torch.Tensor | None:
         """The value of tensor `name` (a parameter or buffer name of the root; `meta` is it), on the
-        host in its own dtype; None, with a line in `errors`, when no initialiser writes it."""
+        host in its own dtype; None, with a line in `errors`, when no initialiser writes it.
+
+        While the initialisers run, every other tensor of the model is on meta (real ones, such as
+        buffers already given their values, are swapped for meta stand-ins): what they write
+        elsewhere is lost and draws no random numbers, so the tensor's value depends on nothing but
+        its own initialisers and seeds, and nothing else changes. Every module's slots are restored
+        afterwards, whatever the initialisers put in them."""
         owner_name, _, leaf = name.rpartition(".")
         owner = self._modules[owner_name]
-        table = owner._parameters if leaf in owner._parameters else owner._buffers
+        is_param = leaf in owner._parameters
         t = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
         if t.is_floating_point():
-            t.fill_(float("nan"))  # never taken for a value, but plain if a partial write lets it through
-        stand_in = nn.Parameter(t, requires_grad=False) if table is owner._parameters else t
-        table[leaf] = stand_in
+            t.fill_(float("nan"))  # a float left NaN was not (wholly) written
+        stand_in = nn.Parameter(t, requires_grad=meta.requires_grad) if is_param else t
+        if is_param:
+            stand_in.__dict__.update(meta.__dict__)
+        saved = {id(m): (m, dict(m._parameters), dict(m._buffers)) for m in self._modules.values()}
+        for m, params, buffers in saved.values():
+            for table, entries in ((m._parameters, params), (m._buffers, buffers)):
+                for k, v in entries.items():
+                    if v is not None and not v.is_meta:
+                        table[k] = _meta_like(v)
+        (owner._parameters if is_param else owner._buffers)[leaf] = stand_in
         writes, steps = _Writes(), []
         try:
             with torch.random.fork_rng(devices=[]):
@@ -128,19 +154,27 @@ class MetaInit:
                             torch.default_generator.manual_seed(_seed(self.seed, name, len(steps)))
                             init()
                             steps.append(module_name or "<root>")
-            got = table[leaf]
+            got = (owner._parameters if is_param else owner._buffers)[leaf]
         except Exception as e:  # noqa: BLE001 -- reported on every rank by the caller
             self.errors.append(f"{name}: initialising it raised {type(e).__name__}: {e}")
             return None
         finally:
-            table[leaf] = meta
-        written = got is not stand_in or got.data_ptr() != t.data_ptr() or t.numel() == 0 \
-            or t.untyped_storage().data_ptr() in writes.storages
+            for m, params, buffers in saved.values():
+                m._parameters.clear()
+                m._parameters.update(params)
+                m._buffers.clear()
+                m._buffers.update(buffers)
+        if got is None or got.is_meta:
+            written = False
+        else:
+            written = got is not stand_in or got.data_ptr() != t.data_ptr() or t.numel() == 0 \
+                or t.untyped_storage().data_ptr() in writes.storages
+            written = written and not (got.is_floating_point() and bool(got.isnan().any()))
         if not written:
             tried = ", ".join(f"{type(self._modules[m]).__name__} ({m or 'root'})" for m in self._path(name))
             self.errors.append(
-                f"{name} ({type(owner).__name__}): no initialiser wrote it (looked at reset_parameters() and "
-                f"transformers' _init_weights of {tried})")
+                f"{name} ({type(owner).__name__}): no initialiser wrote all of it (looked at reset_parameters() "
+                f"and transformers' _init_weights of {tried})")
             return None
         return got.detach()
 
@@ -151,13 +185,12 @@ class MetaInit:
             return torch.zeros(hi - lo)
         return v.reshape(-1)[lo:hi]
 
-    def materialize_buffers(self, skip: set[str] = frozenset()) -> None:
-        """Give every meta buffer of the root its value, on the host (every rank keeps all buffers);
-        names in `skip` get an uninitialised host tensor (their value comes from elsewhere)."""
+    def materialize_buffers(self) -> None:
+        """Give every meta buffer of the root its value, on the host (every rank keeps all buffers)."""
         for name, b in list(self.root.named_buffers()):
             if not b.is_meta:
                 continue
-            value = torch.empty(b.shape, dtype=b.dtype) if name in skip else self.value(name, b)
+            value = self.value(name, b)
             if value is None:
                 value = torch.zeros(b.shape, dtype=b.dtype)
             for m in self._modules.values():  # a buffer shared by several modules is replaced in each
@@ -179,20 +212,28 @@ def leave_meta(params: list[nn.Parameter], device: torch.device) -> None:
 
 class InitialValues:
     """Where `zeroshard.initialize` takes each tensor's first value from: pretrained weights
-    (`weights`, a folder or file WeightFiles reads) for the tensors they hold; else, for tensors on
+    (`weights`, a folder or file WeightFiles reads) for the tensors they hold, rounded to the
+    tensor's dtype as built (as `from_pretrained(torch_dtype=...)` loads them); else, for tensors on
     the meta device, their initialisers (MetaInit); else the model's own values, rank 0's (as DDP).
 
-    `fill` (chunks.Fill) serves the chunks; buffers are given their values here, at once. Tensors
-    the weights do not hold are initialised, with a warning on rank 0, as `from_pretrained` does;
-    unexpected keys are reported, a shape mismatch is an error (`check`, before anything is built).
+    `fill` (chunks.Fill) serves the chunks; buffers are given their values in `check`, at once.
+    Tensors the weights do not hold keep the model's values (initialised, on meta), with a warning
+    on rank 0, as `from_pretrained` does; unexpected keys are reported; a shape mismatch or an
+    unreadable file is a WeightsError on every rank (`check`, before anything is built), and so is a
+    read that fails later (`finish`).
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], weights=None,
                  init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0):
         self.module = module
+        self.weights = weights
         self.meta = {id(p) for p in params if p.is_meta}
         self.init = MetaInit(module, seed, init_fn) if on_meta(module) else None
+        if init_fn is not None and self.init is None:
+            log.warning("zeroshard: init_fn is for a model built on the meta device; this one has no meta tensors, "
+                        "so it is not called")
         self.files, self.source, self.problems, self.missing, self.unexpected = None, {}, [], [], []
+        self.read_errors: list[str] = []  # reads that failed while the chunks were built (rank-local)
         if weights is not None:
             try:
                 self.files = WeightFiles(weights)
@@ -201,7 +242,6 @@ class InitialValues:
                 self.source, self.missing, self.unexpected = m.source, m.missing, m.unexpected
             except WeightsError as e:
                 self.problems = [str(e)]
-        self.weights = weights
         self.broadcast = any(id(p) not in self.meta and id(p) not in self.source for p in params)
 
     def check(self, comm) -> None:
@@ -211,7 +251,8 @@ class InitialValues:
             agree(comm, self.problems, what=f"cannot load {self.weights}:")
         if self.files is not None and comm.rank == 0 and (self.missing or self.unexpected):
             log.warning("zeroshard: %s: %d tensors not in the file keep the model's values (initialised, on the meta "
-                        "device: %s); %d keys in the file are not in the model (%s)", self.weights, len(self.missing), ", ".join(self.missing[:8]),
+                        "device: %s); %d keys in the file are not in the model (%s)", self.weights,
+                        len(self.missing), ", ".join(self.missing[:8]),
                         len(self.unexpected), ", ".join(self.unexpected[:8]))
         self._buffers()
 
@@ -224,7 +265,11 @@ class InitialValues:
                 if key is None:
                     continue
                 if id(b) not in values:
-                    values[id(b)] = self.files.read_all(key).to(b.dtype)
+                    try:
+                        values[id(b)] = self.files.read_all(key).to(b.dtype)
+                    except Exception as e:  # noqa: BLE001 -- raised on every rank by finish()
+                        self.read_errors.append(f"reading {key}: {type(e).__name__}: {e}")
+                        values[id(b)] = torch.zeros(b.shape, dtype=b.dtype)
                 if b.is_meta:
                     m._buffers[leaf] = values[id(b)]
                 else:
@@ -232,18 +277,33 @@ class InitialValues:
         if self.init is not None:
             self.init.materialize_buffers()
 
-    def fill(self, slot, lo: int, hi: int) -> torch.Tensor:
+    def fill(self, slot, lo: int, hi: int):
         key = self.source.get(id(slot.param))
         if key is not None:
-            return self.files.blocks(key, lo, hi)
+            return self._read(key, lo, hi, slot.param.dtype)
         if id(slot.param) in self.meta:
             return self.init.fill(slot, lo, hi)
         return slot.param.detach().reshape(-1)[lo:hi]
 
+    def _read(self, key: str, lo: int, hi: int, dtype: torch.dtype):
+        """The file's blocks of [lo, hi), rounded to `dtype`; zeros for the rest of the range if a read
+        fails (recorded, and raised on every rank by finish(): a rank alone must not stop here)."""
+        done = lo
+        try:
+            for block in self.files.blocks(key, lo, hi):
+                done += block.numel()
+                yield block.to(dtype)
+        except Exception as e:  # noqa: BLE001
+            self.read_errors.append(f"reading {key}: {type(e).__name__}: {e}")
+            if done < hi:
+                yield torch.zeros(hi - done)
+
     def finish(self, comm, params: list[nn.Parameter], chunks, device: torch.device) -> None:
-        """Collective for a meta model, after the chunks are built: raise UninitializedTensorError on
-        every rank if a tensor could not be initialised on any; then point the (former meta)
-        parameters at the chunks."""
+        """Collective, after the chunks are built (for a meta model, or with weights): raise
+        WeightsError or UninitializedTensorError on every rank if any rank failed to read or to
+        initialise a tensor; then point the (former meta) parameters at the chunks."""
+        if self.files is not None:
+            agree(comm, self.read_errors, what=f"reading {self.weights} failed:")
         if self.init is not None:
             agree(comm, self.init.errors, error=UninitializedTensorError,
                   what="some tensors of the model, built on the meta device, could not be initialised:")

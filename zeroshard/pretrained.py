@@ -59,12 +59,16 @@ class WeightFiles:
 
         path = os.path.abspath(os.fspath(path))
         if os.path.isdir(path):
-            if os.path.exists(os.path.join(path, INDEX)):
-                with open(os.path.join(path, INDEX)) as f:
-                    weight_map = json.load(f)["weight_map"]
-                files = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-            elif os.path.exists(os.path.join(path, WEIGHTS)):
+            if os.path.exists(os.path.join(path, WEIGHTS)):  # transformers' order: the single file first
                 files = [os.path.join(path, WEIGHTS)]
+            elif os.path.exists(os.path.join(path, INDEX)):
+                try:
+                    with open(os.path.join(path, INDEX)) as f:
+                        weight_map = json.load(f)["weight_map"]
+                except Exception as e:  # noqa: BLE001 -- named
+                    raise WeightsError(f"zeroshard: cannot read {os.path.join(path, INDEX)}: {type(e).__name__}: {e}") \
+                        from e
+                files = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
             else:
                 other = [n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth"))]
                 raise WeightsError(f"zeroshard: {path} holds neither {WEIGHTS} nor {INDEX}" + (
@@ -85,7 +89,7 @@ class WeightFiles:
                         self.entries[key] = (name, tuple(s.get_shape()))
                         self.dtypes[key] = _DTYPES.get(s.get_dtype(), torch.float32)
             except Exception as e:  # noqa: BLE001 -- a missing or damaged file, named
-                raise WeightsError(f"zeroshard: cannot read {name}: {e}") from e
+                raise WeightsError(f"zeroshard: cannot read {name}: {type(e).__name__}: {e}") from e
 
     def blocks(self, key: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
         """Elements [lo, hi) of tensor `key`, flattened, in the file's dtype, as consecutive blocks of
@@ -174,8 +178,11 @@ def match(files: WeightFiles, module: nn.Module, state_keys: list[tuple[str, obj
             out.mismatched.append(f"{keys[0]}: the file has {list(got)}, the model {list(want)}")
             continue
         out.source[tid] = found[0]
+    # A non-persistent buffer in an older checkpoint (position ids, rotary frequencies) is not
+    # unexpected: the model computes it (transformers ignores it too).
+    computed = {n for n, _ in module.named_buffers()} - expected
     out.unexpected = [fk for mk, fk in in_file.items()
-                      if mk not in expected and not any(r.search(mk) for r in ignore_unexpected)]
+                      if mk not in expected and mk not in computed and not any(r.search(mk) for r in ignore_unexpected)]
     return out
 
 
@@ -198,18 +205,24 @@ def load_weights(engine, path, strict: bool = True) -> Match:
     except WeightsError as e:
         problems = [str(e)]
     agree(engine.comm, problems, what=f"cannot load {os.fspath(path)}:")
-    for c in engine.chunks:
-        lo, hi = c.held_range()
-        for s in c.slots:
-            key = m.source.get(id(s.param))
-            a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
-            if key is not None and a < b:
-                c.write_blocks(s, a, files.blocks(key, a, b))
-    params = {id(p) for p in engine.params}
-    for _, t in engine.state_keys:
-        key = m.source.get(id(t))
-        if key is not None and id(t) not in params:  # a buffer: every rank keeps all of it
-            t.copy_(files.read_all(key))
+    failed = []
+    try:
+        for c in engine.chunks:
+            lo, hi = c.held_range()
+            for s in c.slots:
+                key = m.source.get(id(s.param))
+                a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+                if key is not None and a < b:
+                    c.write_blocks(s, a, files.blocks(key, a, b))
+        params = {id(p) for p in engine.params}
+        for _, t in engine.state_keys:
+            key = m.source.get(id(t))
+            if key is not None and id(t) not in params:  # a buffer: every rank keeps all of it
+                t.copy_(files.read_all(key))
+    except Exception as e:  # noqa: BLE001 -- raised on every rank below
+        failed.append(f"rank {engine.comm.rank}: {type(e).__name__}: {e}")
+    agree(engine.comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
+                                    "load again or restore a checkpoint):")
     if engine.comm.rank == 0 and (m.missing or m.unexpected):
         log.warning("zeroshard: loaded %s with %d keys missing (%s) and %d unexpected (%s)", path, len(m.missing),
                     ", ".join(m.missing[:8]), len(m.unexpected), ", ".join(m.unexpected[:8]))
@@ -244,7 +257,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
         if id(t) not in params and id(t) not in seen and torch.is_tensor(t):
             seen.add(id(t))
             buffers[key] = t
-            tensors.append((key, t.dtype, tuple(t.shape)))
+            tensors.append((key, dtype if dtype is not None and t.is_floating_point() else t.dtype, tuple(t.shape)))
     files, size = [[]], 0
     for key, dt, shape in tensors:
         nbytes = math.prod(shape) * dt.itemsize
@@ -265,7 +278,11 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
         problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
     total, done, next_report = sum(c.numel for c in engine.chunks), 0, 0.25
     for c in engine.chunks:
-        full = engine.layout.full_fp32(c)  # collective, on every rank
+        comm.counting = False  # not step traffic
+        try:
+            full = engine.layout.full_fp32(c)  # collective, on every rank
+        finally:
+            comm.counting = True
         for s in c.slots:
             out = mine.get(file_of[s.name])
             if out is not None and not problems:
@@ -298,12 +315,19 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
             if out is not None:
                 out.abort()
         raise
-    for out in mine.values():
-        out.rename()
-    agree(comm, [], what="")  # every file is in place before the index names them
+    try:
+        for out in mine.values():
+            out.rename()
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
+    # Every file is in place before the index names them (and stale files go).
+    agree(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
     if comm.rank == 0:
-        _finish_folder(engine.module, path, names, files)
-    agree(comm, [], what="")
+        try:
+            _finish_folder(engine.module, path, names, files)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{type(e).__name__}: {e}")
+    agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
     return path
 
 
