@@ -192,6 +192,39 @@ def killed_save(rank, world, root, point):
     raise AssertionError(f"the save should have died at {point!r}")
 
 
+def disk_full_save(rank, world, root, out_path):
+    """Train, save A, train on, then save B with every rank unable to grow a file past 4 KiB (as a
+    full disk: writes fail with EFBIG): every rank gets zeroshard.CheckpointError (an Exception),
+    and A still loads bit for bit into a fresh engine."""
+    import json
+    import resource
+    import signal
+    data = batches(STEPS, world, 1)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "chunk_size": 20000})
+    train(engine, data[:HALF], rank)
+    engine.save_checkpoint(root, tag="A")
+    saved = engine.full_state_dict()
+    train(engine, data[HALF:HALF + 1], rank)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        engine.save_checkpoint(root, tag="B")
+        got = "no error"
+    except Exception as e:  # noqa: BLE001 -- what reached the user is the figure
+        got = f"{type(e).__name__}: {e}"
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    errors = engine.comm.all_gather_objects(got)
+    fresh = zeroshard.initialize(tiny_gpt2(seed=1), make_adamw, {"stage": 3, "chunk_size": 20000})
+    fresh.load_checkpoint(root)
+    loaded = fresh.full_state_dict()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"errors": errors, "entries": sorted(os.listdir(root)),
+                       "bitwise": all(torch.equal(loaded[k], saved[k]) for k in saved)}, f)
+
+
 def _arm(point, rank, world):
     import torch.distributed.checkpoint.filesystem as fs
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import zeroshard
 import zeroshard.cli
 import zeroshard.export
-from checkpoint_scenarios import (CASES, HALF, STEPS, global_data, killed_save, resume_cases, resume_topology,
+from checkpoint_scenarios import (CASES, HALF, STEPS, disk_full_save, global_data, killed_save, resume_cases, resume_topology,
                                   save_cases, save_topology)
 from distributed import spawn
 from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
@@ -164,6 +164,17 @@ def truncate(name):
         p = path / name
         p.write_bytes(p.read_bytes()[:-100])
     return how
+
+
+def test_a_full_disk_during_a_save_is_a_checkpoint_error_and_the_previous_one_loads(tmp_path):
+    """torch's CheckpointException is a BaseException: `except Exception` around save_checkpoint
+    missed it. Now every rank gets CheckpointError, and checkpoint A loads bit for bit."""
+    import json
+    spawn(2, disk_full_save, str(tmp_path / "ckpts"), str(tmp_path / "r.json"))
+    got = json.loads((tmp_path / "r.json").read_text())
+    assert len(got["errors"]) == 2
+    assert all(e.startswith("CheckpointError") and "'B'" in e for e in got["errors"]), got["errors"]
+    assert got["entries"] == ["A", "latest"] and got["bitwise"]
 
 
 @pytest.mark.parametrize("damage,name,words", [

@@ -22,12 +22,13 @@ from .hooks import ShardedParameterError
 from .layout import FrozenParameterError
 from .materialize import UninitializedTensorError
 from .module_state import GradientsInChunksError, ModuleMovedError
+from .optimizer import NonFiniteError
 from .pretrained import WeightsError
 from .profiler import Profile, profile
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
            "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError",
-           "UninitializedTensorError", "WeightsError"]
+           "NonFiniteError", "UninitializedTensorError", "WeightsError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

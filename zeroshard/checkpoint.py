@@ -509,10 +509,15 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
         error = comm.broadcast_object(error)
         if error is not None:
             raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed: {error}")
-    except BaseException:
+    except BaseException as e:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
+            raise
+        # torch's CheckpointException (a full or read-only disk in a writer) is a BaseException:
+        # an `except Exception` around save_checkpoint must catch it.
+        raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed (the checkpoints already "
+                              f"there are intact): {type(e).__name__}: {e}") from e
     final = os.path.join(root, tag)
     if comm.rank == 0:
         size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final))
@@ -546,6 +551,17 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kin
 
 # -- load ------------------------------------------------------------------------------------------
 def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
+    """See Engine.load_checkpoint. Every failure is a CheckpointError (torch's CheckpointException,
+    a BaseException, included)."""
+    try:
+        return _load(engine, path, tag, load_optimizer)
+    except (CheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise CheckpointError(f"zeroshard: loading checkpoint {path} failed: {type(e).__name__}: {e}") from e
+
+
+def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
     """See Engine.load_checkpoint. `path` is a root (its `latest`, or `tag`) or a checkpoint
     directory. load_optimizer=False loads the model (and buffers, counters, RNG) and clears the
     optimizer's state. Everything that can refuse the checkpoint runs before anything in

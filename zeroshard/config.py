@@ -66,6 +66,12 @@ class Config:
         kept in fp32 ('fp32'); every module with parameters casts its floating inputs to the compute
         dtype (True) or only the root's inputs are (False); gradients accumulated and reduced in the
         compute dtype ('compute') or in fp32 ('fp32': twice the gradient memory and traffic).
+    nonfinite: what a NaN or inf gradient on any rank does, at every precision: 'ignore' (PyTorch's
+        behaviour: the step applies it, and the parameters become NaN; fp16's loss scaling still
+        skips such a step and halves the scale), 'skip' (every rank skips the step, as fp16 does,
+        counted in stats()['skipped_steps']) or 'raise' (every rank raises NonFiniteError naming the
+        step, having applied nothing; under fp16 once the loss scale is down to 1, since before
+        that a lower scale may make the gradient finite).
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -91,6 +97,7 @@ class Config:
     reduce_dtype: str = "compute"
     device_memory: int | None = None
     init_seed: int = 0
+    nonfinite: str = "ignore"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,6 +127,8 @@ class Config:
             bad("offload", "'auto' or false")
         if self.device_memory is not None and (not is_int(self.device_memory) or self.device_memory < 1):
             bad("device_memory", "an integer >= 1 (bytes), or None for the device's total")
+        if self.nonfinite not in ("ignore", "skip", "raise"):
+            bad("nonfinite", "'ignore', 'skip' or 'raise'")
         if not is_int(self.init_seed) or self.init_seed < 0:
             bad("init_seed", "an integer >= 0")
         if self.precision not in PRECISIONS:

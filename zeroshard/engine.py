@@ -108,7 +108,8 @@ class Engine:
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                       delay_after=config.delay_update_after,
-                                      side_comm=self.comm.side_channel() if delayed else None)
+                                      side_comm=self.comm.side_channel() if delayed else None,
+                                      nonfinite=config.nonfinite)
         if config.check_order:
             self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
@@ -285,7 +286,9 @@ class Engine:
 
     def step(self) -> bool:
         """At the end of a gradient accumulation window, apply the update and clear gradients.
-        Returns True when an update was applied (False between boundaries or on fp16 overflow)."""
+        Returns True when an update was applied (False between boundaries, or when a non-finite
+        gradient skipped it: fp16 overflow, config nonfinite='skip'; nonfinite='raise' raises
+        NonFiniteError instead)."""
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: step() called while the engine is in {self.phase.value}")
         if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:

@@ -45,6 +45,10 @@ from .ordering import PUBLISH
 from .param_groups import ParamGroups, as_factory
 
 
+class NonFiniteError(FloatingPointError):
+    """A gradient was NaN or inf with config nonfinite='raise' (raised on every rank)."""
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16: halve on overflow, double after `window` clean steps."""
 
@@ -104,9 +108,10 @@ class UpdateState(enum.Enum):
 class ShardedOptimizer:
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
-                 delay_after: int | None = None, side_comm=None):
+                 delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore"):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
-        list of tensors and returning one. param_names: id(parameter) -> name, for the model's."""
+        list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
+        nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite)."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
@@ -116,6 +121,7 @@ class ShardedOptimizer:
         self.accumulation = accumulation
         self.clip = clip_grad_norm
         self.scaler = scaler
+        self.nonfinite = nonfinite
         self.optimizer = None
         self.chunks = []
         self.last_grad_norm = None
@@ -166,10 +172,15 @@ class ShardedOptimizer:
 
     def _account(self, applied: bool, overflow: bool, norm: float | None) -> None:
         """Record an update's outcome: the loss scale follows overflows, skips are counted, the
-        norm is kept (with clipping) when the update applied."""
+        norm is kept (with clipping) when the update applied. A non-finite gradient with nonfinite
+        'raise' raises NonFiniteError (on every rank: they all saw the same flag); under fp16 only
+        once the loss scale is down to 1, where no lower scale could make the gradient finite."""
+        if overflow and self.nonfinite == "raise" and (self.scaler is None or self.scaler.scale <= 1.0):
+            raise NonFiniteError(f"zeroshard: a gradient is NaN or inf at optimizer step {self.boundaries} "
+                                 "(config nonfinite='raise'); the step was not applied")
         if self.scaler is not None:
             self.scaler.update(overflow)
-            self.skipped_steps += int(overflow)
+        self.skipped_steps += int(overflow)
         if self.clip is not None and applied:
             self.last_grad_norm = norm
 
@@ -239,15 +250,16 @@ class ShardedOptimizer:
     def _agree_grads(self, comm, grads, seen, inv: float) -> tuple[list[list[bool]], bool, float]:
         """One small all-reduce (none at world 1) gives every rank the same answers: per chunk and
         slot, whether that parameter got a gradient on any rank (one that got none is not stepped:
-        torch skips a parameter whose .grad is None); with fp16, whether any rank's gradient is not
-        finite (scaling by a finite factor neither makes nor unmakes an inf or NaN, so the unscaled
-        gradients tell); with clipping, the squared L2 norm of the scaled fp32 gradient over every
+        torch skips a parameter whose .grad is None); with fp16 or a nonfinite policy, whether any
+        rank's gradient is not finite (scaling by a finite factor neither makes nor unmakes an inf
+        or NaN, so the unscaled gradients tell); with clipping, the squared L2 norm of the scaled fp32 gradient over every
         shard, computed chunk by chunk."""
         flags = [1.0 if i in got else 0.0 for c, got in zip(self.chunks, seen) for i in range(len(c.slots))]
-        if comm.world == 1 and self.scaler is None and self.clip is None:  # nothing to agree on: no device sync
+        finite_check = self.scaler is not None or self.nonfinite != "ignore"
+        if comm.world == 1 and not finite_check and self.clip is None:  # nothing to agree on: no device sync
             return [[i in got for i in range(len(c.slots))] for c, got in zip(self.chunks, seen)], False, 0.0
         local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
-        if self.scaler is not None:
+        if finite_check:
             for g in grads:
                 if g is not None and not torch.isfinite(g).all():
                     local[-2] = 1.0

@@ -9,8 +9,9 @@ stage-3 cache excluded), `model_state_bytes_by_device` (the same split into 'dev
 `transfer_bytes` ('h2d' and 'd2h' bytes copied since the previous step), `cache_peak_chunks` and
 `cache_peak_bytes` (the most gathered chunks held at once), `cache_overflows`,
 `schedule_departures`, `device_model_bytes` (model states on the device plus the rCache's peak: what
-the planner predicts), `loss_scale`, `grad_norm` (with clipping), and counts of parameters, chunks
-and padded elements.
+the planner predicts), `loss_scale`, `grad_norm` (with clipping), `skipped_steps` (optimizer steps
+skipped since the start for a non-finite gradient: fp16 overflow, config nonfinite='skip'), and
+counts of parameters, chunks and padded elements.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def step_stats(engine, applied: bool) -> dict:
         "device_model_bytes": by_device["device"] + cache.peak_bytes,
         "loss_scale": engine.scaler.scale if engine.scaler else None,
         "grad_norm": engine.optim.last_grad_norm,
+        "skipped_steps": engine.optim.skipped_steps,
         "world_size": engine.comm.world,
     }
     engine.comm.reset_counters()
