@@ -14,7 +14,7 @@ import os
 import torch
 
 from .checkpoint import CheckpointError
-from .collectives import DivergedError
+from .collectives import CollectiveTimeoutError, DivergedError
 from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
@@ -26,7 +26,7 @@ from .optimizer import NonFiniteError
 from .pretrained import WeightsError
 from .profiler import Profile, profile
 
-__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError",
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError", "CollectiveTimeoutError",
            "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError",
            "NonFiniteError", "UninitializedTensorError", "WeightsError"]
 

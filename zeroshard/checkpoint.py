@@ -605,6 +605,7 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
             engine.module.get_buffer(key).copy_(small[f"model.{key}"])
 
     engine.steps = meta["steps"]
+    engine.comm.step = engine.steps + 1
     engine.micro_steps = 0  # at a boundary; counting restarts, so another accumulation works too
     if load_optimizer:
         engine.optim.skipped_steps = meta["skipped_steps"]

@@ -21,8 +21,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .ordering import (OTHER, DivergedError, OrderCheck, Sequencer, check_group,  # noqa: F401 (DivergedError:
-                       has_check_group, order_tag)  # public here)
+from .ordering import (OTHER, CollectiveTimeoutError, DivergedError, OrderCheck, Sequencer,  # noqa: F401 (errors:
+                       check_group, describe_tag, has_check_group, order_tag, wait_for)  # public here)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
@@ -30,7 +30,13 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-TIMEOUT = datetime.timedelta(minutes=10)  # how long a collective waits for the other ranks
+TIMEOUT = datetime.timedelta(minutes=10)  # the default of config collective_timeout_s
+_timeout = [TIMEOUT]  # what the groups zeroshard makes wait for the other ranks (init_process_group)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective on a group zeroshard made waits for the other ranks."""
+    return _timeout[0]
 
 
 def ranks_per_node() -> int:
@@ -43,14 +49,24 @@ def shares_gpus() -> bool:
     return torch.cuda.is_available() and ranks_per_node() > torch.cuda.device_count()
 
 
-def init_process_group(device: torch.device | None = None) -> None:
-    """Join torchrun's process group if its environment is set and none exists yet.
+def init_process_group(device: torch.device | None = None, timeout_s: float | None = None) -> None:
+    """Join torchrun's process group if its environment is set and none exists yet, with
+    collectives that wait `timeout_s` (config collective_timeout_s) for the other ranks; a group
+    the user made keeps its own timeout, with a warning when that is longer.
 
     gloo for CPU tensors, NCCL for CUDA, except where several ranks share one GPU (NCCL needs a
     device per rank): then gloo, with CUDA tensors staged through the host (slow; for tests and
     debugging on a single-GPU machine). Without torchrun's environment the world is one process and
     no group is created.
     """
+    if timeout_s is not None:
+        _timeout[0] = datetime.timedelta(seconds=timeout_s)
+    if dist.is_available() and dist.is_initialized() and timeout_s is not None:
+        theirs = _group_timeout(dist.group.WORLD)
+        if theirs is not None and theirs > _timeout[0]:
+            warnings.warn(f"zeroshard: the process group was made with a timeout of {theirs.total_seconds():g} s, "
+                          f"longer than collective_timeout_s={timeout_s:g}: a stopped rank keeps the others waiting "
+                          "that long (pass timeout= to init_process_group, or let zeroshard make the group)")
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         cuda = device is not None and device.type == "cuda"
         shared = cuda and shares_gpus()
@@ -58,7 +74,16 @@ def init_process_group(device: torch.device | None = None) -> None:
             warnings.warn(f"zeroshard: {ranks_per_node()} ranks share {torch.cuda.device_count()} GPU(s); NCCL "
                           "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
         backend = "nccl" if cuda and not shared else "gloo"
-        dist.init_process_group(backend, timeout=TIMEOUT)
+        dist.init_process_group(backend, timeout=_timeout[0])
+
+
+def _group_timeout(group) -> datetime.timedelta | None:
+    """A process group's timeout, where torch tells it (None elsewhere)."""
+    try:
+        backend = group._get_backend(torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
+        return backend.options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class _Then:
@@ -76,6 +101,20 @@ class _Then:
             self.work.wait()
             self.work = None
             self.then()
+        return True
+
+
+class _Timed:
+    """A collective's work whose wait() raises CollectiveTimeoutError naming it on a timeout."""
+
+    def __init__(self, work, what, timeout_s: float):
+        self.work, self.what, self.timeout_s = work, what, timeout_s
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        wait_for(self.work, self.what, self.timeout_s)
         return True
 
 
@@ -98,6 +137,8 @@ class Comm:
         self.counting = True
         self.sequencer: Sequencer | None = None  # with order checks on (enable_order_checks)
         self.pass_index = 0  # forward-backward passes this rank has run: part of every order tag
+        self.step = 1  # the optimizer step training is working towards (the engine keeps it), for errors
+        self.timeout_s = collective_timeout().total_seconds()
         self.gloo = self.distributed and dist.get_backend(group) == dist.Backend.GLOO
         # gloo carries CUDA tensors through host copies (see init_process_group)
         self.staged = self.gloo and device.type == "cuda"
@@ -112,8 +153,9 @@ class Comm:
             # ranks that saw it know that the old one holds unpaired comparisons).
             renew = torch.tensor([0.0 if has_check_group(self.group) else 1.0], device=self.control_device)
             self.control_all_reduce(renew, dist.ReduceOp.MAX)
-            self.sequencer = Sequencer(OrderCheck(check_group(self.group, ranks, renew=bool(renew.item())), self.rank),
-                                       inline=self.device.type == "cuda")
+            check = OrderCheck(check_group(self.group, ranks, renew=bool(renew.item())), self.rank,
+                               where=self._where, timeout_s=self.timeout_s)
+            self.sequencer = Sequencer(check, inline=self.device.type == "cuda")
 
     def progress(self) -> None:
         """Issue the tagged collectives whose order check has come back (cheap; hooks call it)."""
@@ -131,6 +173,8 @@ class Comm:
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
         over, its caller having compared a tag for the batch (ordering.PUBLISH)."""
+        what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
+            (lambda: "finish a collective" + self._where())
         if self.sequencer is None:
             work = collective()
         elif tag is not None:
@@ -142,10 +186,14 @@ class Comm:
             self._agree_here()
             work = collective()
         if async_op:
-            return work
+            return work if work is None or self.sequencer is not None and tag is not None \
+                else _Timed(work, what, self.timeout_s)  # a Ticket names its own timeouts
         if work is not None:
-            work.wait()
+            wait_for(work, what, self.timeout_s)
         return None
+
+    def _where(self) -> str:
+        return f" at optimizer step {self.step}"
 
     def _agree_here(self) -> None:
         """Before an untagged blocking collective (a norm, a flag, objects)."""
@@ -171,7 +219,7 @@ class Comm:
         if self.world == 1:
             return Comm(torch.device("cpu"), self.group)
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo", timeout=TIMEOUT))
+        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo", timeout=collective_timeout()))
 
     def _count(self, n: int) -> None:
         if self.counting and self.world > 1:

@@ -72,6 +72,11 @@ class Config:
         counted in stats()['skipped_steps']) or 'raise' (every rank raises NonFiniteError naming the
         step, having applied nothing; under fp16 once the loss scale is down to 1, since before
         that a lower scale may make the gradient finite).
+    collective_timeout_s: how long a collective waits for the other ranks before every waiting rank
+        raises zeroshard.CollectiveTimeoutError naming the collective and the optimizer step (a
+        rank stopped, hung or far behind; one that died shows at once as a closed connection).
+        Applied to the process group zeroshard makes (torchrun's environment) and to its own
+        groups; a group you made keeps its own timeout, with a warning when that is longer.
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -98,6 +103,7 @@ class Config:
     device_memory: int | None = None
     init_seed: int = 0
     nonfinite: str = "ignore"
+    collective_timeout_s: float = 600.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -127,6 +133,9 @@ class Config:
             bad("offload", "'auto' or false")
         if self.device_memory is not None and (not is_int(self.device_memory) or self.device_memory < 1):
             bad("device_memory", "an integer >= 1 (bytes), or None for the device's total")
+        if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
+                or not 0 < self.collective_timeout_s < math.inf:
+            bad("collective_timeout_s", "a finite number of seconds > 0")
         if self.nonfinite not in ("ignore", "skip", "raise"):
             bad("nonfinite", "'ignore', 'skip' or 'raise'")
         if not is_int(self.init_seed) or self.init_seed < 0:

@@ -60,7 +60,7 @@ class Engine:
         self.device = device or default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_process_group(self.device)
+        init_process_group(self.device, config.collective_timeout_s)
         self.comm = Comm(self.device)
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
@@ -307,6 +307,7 @@ class Engine:
         if self._arrivals is not None:
             self._arrivals.arm(self.chunks)
         self.steps += int(applied)
+        self.comm.step = self.steps + 1
         self._stats = step_stats(self, applied)
         if self.timeline is not None:
             self.timeline.step_done()

@@ -3,8 +3,10 @@
 Ranks diverge when their modules run differently (data-dependent control flow) or when one rank
 caught an exception mid-step and carried on, a micro-batch or a step behind the others. Unchecked,
 divergence is the worst kind of failure: gloo aborts the process when ranks pair collectives of
-different sizes, waits out its timeout (ten minutes) when they pair different kinds, and silently
-mixes data when they pair equal-sized ones (a rank a micro-batch behind trains out of step).
+different sizes, waits out its timeout (config collective_timeout_s) when they pair different
+kinds, and silently mixes data when they pair equal-sized ones (a rank a micro-batch behind trains
+out of step). A rank that stops altogether shows as a timeout: CollectiveTimeoutError on every
+rank waiting for it, naming the collective (`wait_for`).
 
 So every collective on the engine's group is named by a *tag* (kind, chunk index, the rank's
 micro-batch count), and the ranks compare tags before it is issued: the same tag everywhere issues
@@ -54,13 +56,33 @@ class DivergedError(RuntimeError):
     """Ranks were about to issue different collectives: their call order diverged."""
 
 
+class CollectiveTimeoutError(RuntimeError):
+    """A collective waited longer than config collective_timeout_s for the other ranks: one of them
+    is stopped, hung, or far behind (a rank that died usually shows at once, as a closed connection)."""
+
+
+def wait_for(work, what, timeout_s: float) -> None:
+    """work.wait(), a timeout raised as CollectiveTimeoutError naming `what` (a string, or a
+    callable giving one: made only on failure)."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"zeroshard: waited {timeout_s:g} s (config collective_timeout_s) for the other ranks to "
+            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind") from e
+
+
 class OrderCheck:
     """Compares tags across the ranks of `group`: each rank contributes (tag, -tag) to a MAX
     all-reduce, and the ranks agree iff max == min. After a disagreement every call raises."""
 
-    def __init__(self, group, rank: int):
+    def __init__(self, group, rank: int, where=lambda: "", timeout_s: float = 600.0):
         self.group = group
         self.rank = rank
+        self.where = where  # words naming where training is (the optimizer step), for timeouts
+        self.timeout_s = timeout_s
         self.failure: str | None = None  # the first disagreement's message
         self.comparisons = 0
 
@@ -72,7 +94,8 @@ class OrderCheck:
         return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def finish(self, tag: int, buf: torch.Tensor, work) -> None:
-        work.wait()
+        wait_for(work, lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}",
+                 self.timeout_s)
         hi, lo = int(buf[0]), -int(buf[1])
         if hi != lo and self.failure is None:
             # Ranks may have started different numbers of comparisons on this group: an engine
@@ -98,12 +121,13 @@ class OrderCheck:
 class Ticket:
     """A collective handed to the sequencer: `work` once the ranks agreed on its tag and it was issued."""
 
-    __slots__ = ("sequencer", "work", "issued")
+    __slots__ = ("sequencer", "work", "issued", "tag")
 
-    def __init__(self, sequencer: "Sequencer"):
+    def __init__(self, sequencer: "Sequencer", tag: int):
         self.sequencer = sequencer
         self.work = None
         self.issued = False
+        self.tag = tag
 
     def is_completed(self) -> bool:
         if not self.issued:
@@ -114,7 +138,8 @@ class Ticket:
         if not self.issued:
             self.sequencer.progress(until=self)
         if self.work is not None:
-            self.work.wait()
+            check = self.sequencer.check
+            wait_for(self.work, lambda: describe_tag(self.tag) + check.where(), check.timeout_s)
         return True
 
 
@@ -132,7 +157,7 @@ class Sequencer:
         if self.inline:
             self.check.agree(tag)
             return issue()
-        ticket = Ticket(self)
+        ticket = Ticket(self, tag)
         self._queue.append((tag, *self.check.start(tag), issue, ticket))
         self.progress()
         return ticket
@@ -185,9 +210,9 @@ def has_check_group(group) -> bool:
 def check_group(group, ranks: list[int] | None, renew: bool):
     """Collective when `renew` (which every rank must pass alike: some rank lacked one): the gloo
     group of the same ranks that carries tag comparisons."""
-    from .collectives import TIMEOUT
+    from .collectives import collective_timeout
     key = group if group is not None else dist.group.WORLD
     if renew:
         _retire_check_groups()  # older ones belong to destroyed process groups, or diverged
-        _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=TIMEOUT)
+        _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=collective_timeout())
     return _check_groups[key]
