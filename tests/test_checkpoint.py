@@ -174,7 +174,7 @@ def test_a_full_disk_during_a_save_is_a_checkpoint_error_and_the_previous_one_lo
     got = json.loads((tmp_path / "r.json").read_text())
     assert len(got["errors"]) == 2
     assert all(e.startswith("CheckpointError") and "'B'" in e for e in got["errors"]), got["errors"]
-    assert got["entries"] == ["A", "latest"] and got["bitwise"]
+    assert [n for n in got["entries"] if ".v-" not in n] == ["A", "latest"] and got["bitwise"]
 
 
 @pytest.mark.parametrize("damage,name,words", [

@@ -2,8 +2,14 @@
 size, stage, chunk size or offload setting loads them, with no conversion step.
 
 Vocabulary:
-- root: the directory given to `save_checkpoint`. It holds one directory per checkpoint, named by its
-  tag (default `step<N>`), and `latest`, a small file naming the newest complete tag.
+- root: the directory given to `save_checkpoint`. It holds, per checkpoint tag (default
+  `step<N>`), a symbolic link `<tag>` to that tag's current *version*, a directory
+  `<tag>.v-<id>`, and `latest`, a small file naming the newest complete tag.
+- version: one save of a tag, never written again once committed. Saving to a tag that exists
+  writes a new version and switches the link to it atomically; a reader resolves the link once and
+  reads that version to the end (or raises, if it was removed meanwhile), never a mix of two saves.
+  The version replaced is kept until the tag is saved again (readers that started on it finish),
+  then removed. Checkpoints of older zeroshard (a plain `<tag>` directory) load as they are.
 - piece: the elements of one parameter (or of one elementwise optimizer state) that lie in this
   rank's shard of a chunk: a run of the parameter's row-major elements. DCP stores tensors as boxes,
   so a piece goes to DCP as the few boxes its run covers (whole rows in the middle, part rows at the
@@ -17,11 +23,12 @@ Vocabulary:
   config, a transformers config if the model has one); `extra.pt` (the user's dict, the optimizer's
   hyperparameters); `checksums.json` (size and SHA-256 of every other file), written last.
 
-A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to `<tag>`, and
-only then is `latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming a
-complete checkpoint: the previous one until the new one is complete (a checkpoint of the same tag is
-set aside as `.old-<tag>-<id>` while it is replaced, and found there if the crash comes in between).
-The next save clears what a crash left. A load checks, before it changes any value: every file's
+A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to its version
+directory, the tag's link switched to it (a new link renamed over the old), and only then is
+`latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming a complete
+checkpoint: the previous one until the new one is complete (a tag whose link is missing is found at
+its newest complete version). The next save clears what a crash left; `keep` (save_checkpoint)
+removes all but the newest tags. A load checks, before it changes any value: every file's
 size and checksum (the ranks split the files between them), that the checkpoint's parameter names
 and shapes are this model's, and that its optimizer state is this optimizer's.
 """
@@ -33,6 +40,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -200,18 +208,53 @@ def _write_file(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+_VERSION = re.compile(r"(.+)\.v-[0-9a-f]{8}")
+
+
+def _versions(root: str, tag: str) -> list[str]:
+    """The version directories of `tag` in root, oldest first."""
+    names = [n for n in os.listdir(root) if (m := _VERSION.fullmatch(n)) and m.group(1) == tag]
+    return sorted(names, key=lambda n: os.stat(os.path.join(root, n)).st_mtime_ns)
+
+
 def _commit(tmp: str, root: str, tag: str) -> str:
-    """Rename the finished `tmp` to root/tag (setting aside a checkpoint of the same tag first)."""
+    """Make the finished `tmp` the tag's new version and switch root/<tag> to it; keep the version it
+    replaced (a reader may be on it), remove older ones."""
     final = os.path.join(root, tag)
-    old = None
-    if os.path.exists(final):
-        old = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-    os.replace(tmp, final)
+    version = os.path.join(root, f"{tag}.v-{uuid.uuid4().hex[:8]}")
+    os.replace(tmp, version)
+    previous = os.path.realpath(final) if os.path.islink(final) else None
+    if os.path.isdir(final) and not os.path.islink(final):  # saved by an older zeroshard: a version now
+        previous = os.path.join(root, f"{tag}.v-{uuid.uuid4().hex[:8]}")
+        os.replace(final, previous)
+    link = os.path.join(root, f".link-{uuid.uuid4().hex[:8]}")
+    os.symlink(os.path.basename(version), link)
+    os.replace(link, final)
     _fsync_dir(root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    for name in _versions(root, tag):
+        if os.path.join(root, name) not in (version, previous):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return final
+
+
+def _prune(root: str, keep: int, saved: str) -> None:
+    """Remove all but the newest `keep` tags (by when their current version was written), never
+    `saved`, nor the tag `latest` names."""
+    with open(os.path.join(root, LATEST)) as f:
+        latest = f.read().strip()
+    tags = [n for n in os.listdir(root) if not n.startswith(".") and n != LATEST and not _VERSION.fullmatch(n)
+            and os.path.isfile(os.path.join(root, n, SUMS))]
+    tags.sort(key=lambda n: os.stat(os.path.realpath(os.path.join(root, n))).st_mtime_ns, reverse=True)
+    for tag in tags[keep:]:
+        if tag in (saved, latest):
+            continue
+        full = os.path.join(root, tag)
+        if os.path.islink(full):
+            os.remove(full)
+        else:
+            shutil.rmtree(full, ignore_errors=True)
+        for name in _versions(root, tag):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def _write_latest(root: str, tag: str) -> None:
@@ -228,7 +271,7 @@ def _remove_leftovers(root: str) -> None:
     is removed."""
     for name in sorted(os.listdir(root)):
         full = os.path.join(root, name)
-        if name.startswith(".tmp-") or name.startswith(".latest-"):
+        if name.startswith((".tmp-", ".latest-", ".link-")):
             shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
         elif name.startswith(".old-"):
             tag = os.path.join(root, name[5:].rsplit("-", 1)[0])
@@ -240,7 +283,7 @@ def _remove_leftovers(root: str) -> None:
 
 def resolve(path, tag: str | None = None) -> str:
     """The checkpoint directory for `path`: a checkpoint dir itself, or a root whose `latest` (or the
-    given tag) names one."""
+    given tag) names one; a tag's link resolved once, to the version it names now."""
     path = os.path.abspath(os.fspath(path))
     if tag is not None:
         found = os.path.join(path, tag)
@@ -252,16 +295,20 @@ def resolve(path, tag: str | None = None) -> str:
         found = os.path.join(path, tag)
         if not tag or os.sep in tag or tag.startswith("."):
             raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST)} does not name a checkpoint ({tag!r})")
-        if not os.path.isdir(found):  # a crash while a checkpoint of the same tag was being replaced
-            old = sorted(n for n in os.listdir(path) if n.startswith(f".old-{tag}-"))
-            if not old:
-                raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST)} names {tag!r}, but {found} "
-                                      "does not exist")
-            found = os.path.join(path, old[-1])
     elif not os.path.exists(path):
         raise CheckpointError(f"zeroshard: no checkpoint at {path}: it does not exist")
     else:
         raise CheckpointError(f"zeroshard: no checkpoint at {path}: it has neither a '{LATEST}' file nor {META}")
+    if tag is not None and not os.path.isdir(found):
+        # A crash while the tag was being replaced: its newest complete version, or (older
+        # zeroshard) the checkpoint set aside as .old-<tag>-<id>.
+        versions = [n for n in _versions(path, tag) if os.path.isfile(os.path.join(path, n, SUMS))] \
+            if os.path.isdir(path) else []
+        old = sorted(n for n in os.listdir(path) if n.startswith(f".old-{tag}-")) if os.path.isdir(path) else []
+        if not versions and not old:
+            raise CheckpointError(f"zeroshard: {path} names checkpoint {tag!r}, but {found} does not exist")
+        found = os.path.join(path, versions[-1] if versions else old[-1])
+    found = os.path.realpath(found)
     if not os.path.isfile(os.path.join(found, SUMS)):
         raise CheckpointError(f"zeroshard: {found} is not a complete zeroshard checkpoint: {SUMS} is missing "
                               "(its save did not finish)")
@@ -461,7 +508,7 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
             for key, obj in engine.state_keys}
 
 
-def save(engine, root, tag: str | None = None, client_state: dict | None = None) -> str:
+def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None) -> str:
     """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
     states, the config and `client_state` (rank 0's; any picklable dict, e.g. the data position) as
     checkpoint `tag` (default `step<N>`) in directory `root`, every rank writing its own shards; then
@@ -474,9 +521,11 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
                               "would be lost); save after engine.step() has applied the update")
     kinds = _optim_kinds(engine)
     tag = tag if tag is not None else f"step{engine.steps}"
-    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST:
+    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or _VERSION.fullmatch(tag):
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
-                              f"starting with '.', not '{LATEST}')")
+                              f"starting with '.', not '{LATEST}', not ending in '.v-' and 8 hex digits)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise CheckpointError(f"zeroshard: keep={keep!r}: give the number of newest checkpoints to keep (>= 1)")
     root = os.path.abspath(os.fspath(root))
     t0 = time.perf_counter()
     tmp = error = None
@@ -504,6 +553,8 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None)
         if comm.rank == 0 and error is None:
             try:
                 _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
+                if keep is not None:
+                    _prune(root, keep, tag)
             except Exception as e:  # reported on every rank below
                 error = f"{type(e).__name__}: {e}"
         error = comm.broadcast_object(error)

@@ -392,12 +392,15 @@ class Engine:
             self.cache.flush()
         return save_pretrained(self, path, max_shard_size, dtype)
 
-    def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None,
+                        keep: int | None = None) -> str:
         """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),
-        as checkpoint `tag` (default `step<N>`) in directory `root`, atomically (checkpoint.py). Call
-        it after step(). Returns the checkpoint's directory."""
+        as checkpoint `tag` (default `step<N>`) in directory `root`, atomically; saving to an
+        existing tag writes a new version, which readers see whole or not at all (checkpoint.py).
+        `keep`: then remove all but the newest `keep` checkpoints in root. Call it after step().
+        Returns the checkpoint's path (root/tag)."""
         from .checkpoint import save
-        return save(self, root, tag, client_state)
+        return save(self, root, tag, client_state, keep)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
         """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
