@@ -246,7 +246,7 @@ def _arm(point, rank, world):
             return original(transforms, stream, data, write_item, *args)
         fs._write_item = dying_write
     elif point == "metadata" and rank == 0:  # every shard written, no .metadata yet
-        fs.FileSystemWriter.finish = die
+        ck.SafeWriter.finish = die
     elif point == "commit" and rank == 0:  # checksums written, not renamed
         ck._commit = die
     elif point == "latest" and rank == 0:  # renamed, `latest` not yet replaced

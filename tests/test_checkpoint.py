@@ -207,6 +207,48 @@ def test_export_names_the_damaged_file(one_checkpoint, tmp_path, capsys):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
+class _Payload:
+    """Unpickling it runs code: it writes the marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_no_file_of_a_checkpoint_can_run_code(one_checkpoint, tmp_path):
+    """Each file of a checkpoint in turn replaced by a pickle that writes a marker when unpickled
+    (a torch.save zip for the .pt file, a raw pickle elsewhere), with the checksums recomputed as an
+    attacker would: load and export raise CheckpointError, and the marker never appears."""
+    import json
+    import pickle
+
+    from zeroshard.checkpoint import SUMS, digest
+    from zeroshard.export import export
+    src, _ = one_checkpoint
+    marker = tmp_path / "pwned"
+    names = sorted(os.listdir(src))
+    assert {".metadata", "zeroshard.json", "extra.pt", "checksums.json"} <= set(names)
+    for name in names:
+        path = tmp_path / f"ckpt-{name}"
+        shutil.copytree(src, path)
+        if name.endswith(".pt"):
+            torch.save(_Payload(str(marker)), path / name)
+        else:
+            (path / name).write_bytes(pickle.dumps(_Payload(str(marker))))
+        if name != SUMS:
+            sums = json.loads((path / SUMS).read_text())
+            sums[name] = digest(str(path / name))
+            (path / SUMS).write_text(json.dumps(sums))
+        with pytest.raises(zeroshard.CheckpointError):
+            _fresh().load_checkpoint(path)
+        with pytest.raises(zeroshard.CheckpointError):
+            export(str(path), str(tmp_path / f"out-{name}"), progress=lambda line: None)
+        assert not marker.exists(), name
+    assert len(names) >= 5
+
+
 def test_latest_naming_nothing(one_checkpoint, tmp_path):
     (tmp_path / "latest").write_text("gone\n")
     with pytest.raises(zeroshard.CheckpointError, match="names 'gone'"):

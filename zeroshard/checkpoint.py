@@ -17,11 +17,15 @@ Vocabulary:
   of chunks, which is what makes it topology-independent.
 - DCP keys: `model.<name>` (fp32 values of parameters: the masters, or frozen parameters widened;
   under their first name; and buffers),
-  `optim.state.<name>.<state>` (e.g. exp_avg, step), `rng.<rank>` (each rank's RNG states).
-- files of one checkpoint: DCP's `.metadata` and `__<rank>_0.distcp`; `zeroshard.json` (what was
-  saved: parameter names and shapes, tied names, optimizer state kinds, step counters, loss scale,
-  config, a transformers config if the model has one); `extra.pt` (the user's dict, the optimizer's
-  hyperparameters); `checksums.json` (size and SHA-256 of every other file), written last.
+  `optim.state.<name>.<state>` (e.g. exp_avg, step; a Python number as a 0-d tensor),
+  `rng.<rank>.<generator>` (each rank's RNG states, as tensors). Every entry is a tensor.
+- files of one checkpoint: DCP's `.metadata` (written as JSON by SafeWriter, not DCP's pickle) and
+  `__<rank>_0.distcp` (tensors, which DCP reads with torch.load(weights_only=True)); `zeroshard.json`
+  (what was saved: parameter names and shapes, tied names, optimizer state kinds, step counters, loss
+  scale, config, a transformers config if the model has one); `extra.pt` (the user's dict, the
+  optimizer's hyperparameters: plain data, read with weights_only=True); `checksums.json` (size and
+  SHA-256 of every other file), written last. No file is unpickled into code: a tampered checkpoint
+  (checksums rewritten too) is a CheckpointError, never code run by load_checkpoint or export.
 
 A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to its version
 directory, the tag's link switched to it (a new link renamed over the old), and only then is
@@ -35,6 +39,7 @@ and shapes are this model's, and that its optimizer state is this optimizer's.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
@@ -50,7 +55,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .optimizer import probe_state
@@ -58,7 +65,7 @@ from .ordering import CHECKPOINT
 
 log = logging.getLogger("zeroshard")
 
-FORMAT = 1
+FORMAT = 2  # 2: nothing pickled (DCP's metadata as JSON, extra.pt read weights_only); 1 is refused
 LATEST = "latest"
 META = "zeroshard.json"
 EXTRA = "extra.pt"
@@ -133,7 +140,7 @@ class Piece:
 
 
 class _SavePlanner(DefaultSavePlanner):
-    """Saves a flat {key: Tensor | Piece | object} state; objects (dicts included) are pickled whole."""
+    """Saves a flat {key: Tensor | Piece} state (SafeWriter refuses anything that DCP would pickle)."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -141,6 +148,74 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_object(index)
+
+
+class SafeWriter(FileSystemWriter):
+    """DCP's file writer, with its metadata written as JSON instead of a pickle (read back by
+    SafeReader): loading a checkpoint runs no code from it."""
+
+    def finish(self, metadata: Metadata, results) -> None:
+        storage = {}
+        for wr_list in results:
+            storage.update({wr.index: wr.storage_data for wr in wr_list})
+        out = {"format": "zeroshard-dcp-json", "version": metadata.version, "tensors": {}, "storage": []}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"zeroshard: {fqn} would be saved as a pickled object; only tensors are saved")
+            out["tensors"][fqn] = {"dtype": str(md.properties.dtype).removeprefix("torch."), "size": list(md.size),
+                                   "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
+        for index, info in storage.items():
+            out["storage"].append([index.fqn, None if index.offset is None else list(index.offset), index.index,
+                                   info.relative_path, info.offset, info.length,
+                                   list(info.transform_descriptors or ())])
+        path = self._get_metadata_path()
+        _write_file(os.fspath(path), json.dumps(out).encode())
+
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                                        torch.int64, torch.int32, torch.int16, torch.int8,
+                                                        torch.uint8, torch.bool)}
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader for SafeWriter's JSON metadata, every field checked (types, dtypes from
+    an allow-list, data files named as DCP names them, inside the checkpoint)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = os.fspath(self._get_metadata_path())
+        try:
+            with open(path, "rb") as f:
+                raw = json.loads(f.read())
+            if raw.get("format") != "zeroshard-dcp-json":
+                raise ValueError("not zeroshard's metadata")
+            tensors = {}
+            for fqn, t in raw["tensors"].items():
+                tensors[str(fqn)] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_DTYPES[t["dtype"]]), size=torch.Size(_ints(t["size"])),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(_ints(o)), sizes=torch.Size(_ints(z)))
+                            for o, z in t["chunks"]])
+            storage = {}
+            for fqn, offset, index, rel, at, length, transforms in raw["storage"]:
+                if not _SHARD_FILE.fullmatch(str(rel)):
+                    raise ValueError(f"data file {rel!r}")
+                key = MetadataIndex(str(fqn), None if offset is None else torch.Size(_ints(offset)),
+                                    None if index is None else int(index))
+                storage[key] = _StorageInfo(str(rel), *_ints([at, length]), tuple(str(x) for x in transforms) or None)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"zeroshard: {path} is not checkpoint metadata zeroshard reads ({type(e).__name__}: "
+                                  f"{e})") from None
+        meta = Metadata(state_dict_metadata=tensors, storage_data=storage, storage_meta=StorageMeta(),
+                        version=str(raw.get("version")))
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+def _ints(values) -> list[int]:
+    out = [int(v) for v in values]
+    if any(v < 0 or not isinstance(x, int) for v, x in zip(out, values)):
+        raise ValueError(f"not sizes: {values!r}")
+    return out
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -159,14 +234,18 @@ class _LoadPlanner(DefaultLoadPlanner):
         obj = self.state_dict[index.fqn]
         return obj.__get_tensor_shard__(index) if isinstance(obj, Piece) else super().lookup_tensor(index)
 
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"zeroshard: {read_item.dest_index.fqn} is stored as a pickled object, which zeroshard "
+                              "does not load")
+
 
 def dcp_load(state: dict, path: str, comm=None) -> None:
-    """DCP load of `state` (tensors, Pieces, None for pickled objects) from checkpoint dir `path`;
+    """DCP load of `state` (tensors, Pieces) from checkpoint dir `path`;
     collective over comm's group, or this process alone when comm is None."""
     single = comm is None or not comm.distributed
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(),
+        dcp.load(state, storage_reader=SafeReader(path), planner=_LoadPlanner(),
                  process_group=None if single else comm.group, no_dist=single)
 
 
@@ -285,6 +364,7 @@ def resolve(path, tag: str | None = None) -> str:
     """The checkpoint directory for `path`: a checkpoint dir itself, or a root whose `latest` (or the
     given tag) names one; a tag's link resolved once, to the version it names now."""
     path = os.path.abspath(os.fspath(path))
+    named = tag is None  # the tag comes from `latest`
     if tag is not None:
         found = os.path.join(path, tag)
     elif os.path.isfile(os.path.join(path, META)) or os.path.isfile(os.path.join(path, SUMS)):
@@ -306,7 +386,8 @@ def resolve(path, tag: str | None = None) -> str:
             if os.path.isdir(path) else []
         old = sorted(n for n in os.listdir(path) if n.startswith(f".old-{tag}-")) if os.path.isdir(path) else []
         if not versions and not old:
-            raise CheckpointError(f"zeroshard: {path} names checkpoint {tag!r}, but {found} does not exist")
+            raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST) if named else path} names {tag!r}, but "
+                                  f"{found} does not exist")
         found = os.path.join(path, versions[-1] if versions else old[-1])
     found = os.path.realpath(found)
     if not os.path.isfile(os.path.join(found, SUMS)):
@@ -330,11 +411,20 @@ def read_meta(path: str, sums: dict) -> dict:
     why = verify(path, META, sums.get(META, {"bytes": -1, "sha256": ""}))
     if why:
         raise CheckpointError(f"zeroshard: checkpoint {path} is damaged: {why}")
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
+    try:
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"zeroshard: {os.path.join(path, META)} is damaged ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("format", 0), int):
+        raise CheckpointError(f"zeroshard: {os.path.join(path, META)} is damaged")
     if meta.get("format", 0) > FORMAT:
         raise CheckpointError(f"zeroshard: {path} has checkpoint format {meta.get('format')}; this zeroshard "
-                              f"reads format {FORMAT} and older: upgrade zeroshard")
+                              f"reads format {FORMAT}: upgrade zeroshard")
+    if meta.get("format", 0) < FORMAT:
+        raise CheckpointError(f"zeroshard: {path} has checkpoint format {meta.get('format')}, whose files are "
+                              "pickles, which zeroshard no longer loads (a pickle runs code): load it with the "
+                              "zeroshard that saved it and save it again, or export it with that version")
     return meta
 
 
@@ -354,8 +444,9 @@ def _elementwise(v, piece) -> bool:
 
 
 def _optim_kinds(engine) -> dict[str, dict[str, str]]:
-    """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'object'}} for every
-    parameter with optimizer state on some rank (one never stepped has none, as in torch)."""
+    """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'int' | 'float'}} for
+    every parameter with optimizer state on some rank (one never stepped has none, as in torch);
+    CheckpointError for a state of any other kind (nothing is pickled)."""
     mine, error = {}, None
     for c in engine.optim.chunks:
         for pc in c.pieces:
@@ -369,8 +460,11 @@ def _optim_kinds(engine) -> dict[str, dict[str, str]]:
                     error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} has shape {tuple(v.shape)} for a "
                              f"piece of {tuple(pc.param.shape)}: only elementwise states (and scalars) can be saved "
                              "independently of the sharding")
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    kinds[k] = "float" if isinstance(v, float) else "int"
                 else:
-                    kinds[k] = "object"
+                    error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} is a {type(v).__name__}: a checkpoint "
+                             "holds tensors and numbers only (nothing pickled)")
             if kinds:
                 mine[pc.slot.name] = kinds
     everyone = engine.comm.all_gather_objects((mine, error))
@@ -430,26 +524,36 @@ def _hf_config(module) -> dict | None:
     return out
 
 
-def _rng_state(device: torch.device) -> dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (nothing pickled): torch's (and CUDA's) byte states,
+    Python's and NumPy's Mersenne Twisters as integer tensors."""
+    version, words, gauss = random.getstate()
+    st = {"torch": torch.get_rng_state(), "python": torch.tensor([version, *words], dtype=torch.int64),
+          "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64)}
     if device.type == "cuda":
         st["cuda"] = torch.cuda.get_rng_state(device)
     try:
         import numpy
-        st["numpy"] = numpy.random.get_state()
+        _, keys, pos, has_gauss, cached = numpy.random.get_state()
+        st["numpy"] = torch.tensor([int(pos), int(has_gauss), *(int(k) for k in keys)], dtype=torch.int64)
+        st["numpy_gauss"] = torch.tensor([float(cached)], dtype=torch.float64)
     except ImportError:
         pass
     return st
 
 
-def _set_rng_state(st: dict, device: torch.device) -> None:
+def _set_rng_state(st: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
+    gauss = float(st["python_gauss"][0])
+    random.setstate((int(st["python"][0]), tuple(int(x) for x in st["python"][1:]),
+                     None if math.isnan(gauss) else gauss))
     if device.type == "cuda" and "cuda" in st:
         torch.cuda.set_rng_state(st["cuda"], device)
     if "numpy" in st:
         import numpy
-        numpy.random.set_state(st["numpy"])
+        n = st["numpy"].tolist()
+        numpy.random.set_state(("MT19937", numpy.array(n[2:], dtype=numpy.uint32), n[0], n[1],
+                                float(st["numpy_gauss"][0])))
 
 
 def _runs(c, lo: int, hi: int):
@@ -483,12 +587,14 @@ def _save_state(engine) -> dict:
                 key = f"optim.state.{s.name}.{k}"
                 if _elementwise(v, pc.param):
                     out[key] = Piece(v.detach().reshape(-1)[a - pc.lo:b - pc.lo], s.shape, start)
-                elif start == 0:
-                    out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+                elif start == 0:  # a scalar: a 0-d tensor, or a Python number saved as one
+                    out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else \
+                        torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
     if engine.comm.rank == 0:
         for key in buffers:
             out[f"model.{key}"] = engine.module.get_buffer(key).detach()
-    out[f"rng.{engine.comm.rank}"] = _rng_state(engine.device)
+    for k, v in _rng_state(engine.device).items():
+        out[f"rng.{engine.comm.rank}.{k}"] = v
     return out
 
 
@@ -510,7 +616,8 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
 
 def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None) -> str:
     """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
-    states, the config and `client_state` (rank 0's; any picklable dict, e.g. the data position) as
+    states, the config and `client_state` (rank 0's dict of tensors, numbers, strings, None, lists,
+    tuples and dicts, e.g. the data position; nothing a load would have to unpickle) as
     checkpoint `tag` (default `step<N>`) in directory `root`, every rank writing its own shards; then
     points root/latest at it. Any world size, stage, chunk size or offload setting can load it;
     `zeroshard export` turns it into one safetensors file."""
@@ -542,7 +649,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(_save_state(engine), storage_writer=FileSystemWriter(tmp), planner=_SavePlanner(),
+            dcp.save(_save_state(engine), storage_writer=SafeWriter(tmp), planner=_SavePlanner(),
                      process_group=comm.group, no_dist=not comm.distributed)
         try:
             mine = {n: digest(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(f"__{comm.rank}_")}
@@ -588,10 +695,15 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kin
             "hf_config": _hf_config(engine.module)}
     _write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
-    with open(os.path.join(tmp, EXTRA), "wb") as f:
-        torch.save({"client_state": client_state, "param_groups": groups}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    buf = io.BytesIO()
+    torch.save({"client_state": client_state, "param_groups": groups}, buf)
+    try:  # what a load will read: refuse now, not then
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError("client_state (and the optimizer's hyperparameters) must hold only tensors, numbers, "
+                              "strings, None, and lists, tuples and dicts of them: a checkpoint is loaded without "
+                              f"unpickling code ({type(e).__name__}: {e})") from None
+    _write_file(os.path.join(tmp, EXTRA), buf.getvalue())
     for name in (".metadata", META, EXTRA):
         sums[name] = digest(os.path.join(tmp, name))
     _write_file(os.path.join(tmp, SUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
@@ -635,19 +747,24 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
     if why:
         raise CheckpointError(f"zeroshard: checkpoint {found} is of another model:\n  {why}")
     verify_all(found, sums, comm)
-    extra = torch.load(os.path.join(found, EXTRA), map_location="cpu", weights_only=False)  # the user's objects
+    extra = read_extra(found)
     kinds = meta["optim_state"] if load_optimizer else {}
     if load_optimizer:
         _check_optimizer(engine, found, kinds, extra["param_groups"])
     # A new chunk layout (if it was not fixed yet) changes no value: refusing after it changes nothing.
     _fix_layout(engine, [n for n, _, _ in meta["params"]])
-    saved = FileSystemReader(found).read_metadata().state_dict_metadata
+    saved = SafeReader(found).read_metadata().state_dict_metadata
     small = _small_state(engine, kinds, meta, saved)
     dcp_load(small, found, comm)
 
     # From here on values change.
     if engine.stage == 3:
         engine.cache.flush()
+    for name, states in kinds.items():  # Python numbers the optimizer kept as such
+        for k, kind in states.items():
+            key = f"optim.state.{name}.{k}"
+            if kind in ("int", "float") and key in small:
+                small[key] = (int if kind == "int" else float)(small[key].item())
     pieces, opt_state = _piece_state(engine, kinds)
     dcp_load(pieces, found, comm)
     _apply(engine, opt_state, small, extra["param_groups"] if load_optimizer else None)
@@ -665,8 +782,9 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
     if engine.scaler is not None and meta["loss_scale"] is not None:
         engine.scaler.scale = meta["loss_scale"]["scale"]
         engine.scaler.clean_steps = meta["loss_scale"]["clean_steps"]
-    rng = small.get(f"rng.{comm.rank}")
-    if rng is not None:
+    prefix = f"rng.{comm.rank}."
+    rng = {k[len(prefix):]: v for k, v in small.items() if k.startswith(prefix)}
+    if rng:
         _set_rng_state(rng, engine.device)
     elif comm.rank == meta["world"]:  # once: the first rank the checkpoint has no RNG state for
         log.info("zeroshard: checkpoint saved at world %d: ranks %d.. keep their own RNG state",
@@ -680,6 +798,17 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
                  "; config now differs: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
                  if changed else "")
     return extra["client_state"] if extra["client_state"] is not None else {}
+
+
+def read_extra(path: str) -> dict:
+    """extra.pt, read as tensors and plain data only (torch.load weights_only: no code runs)."""
+    try:
+        extra = torch.load(os.path.join(path, EXTRA), map_location="cpu", weights_only=True)
+        assert isinstance(extra, dict) and isinstance(extra.get("param_groups"), list)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"zeroshard: {os.path.join(path, EXTRA)} holds something other than tensors and plain "
+                              f"data, which zeroshard does not load ({type(e).__name__})") from None
+    return extra
 
 
 def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
@@ -698,21 +827,20 @@ def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
 def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
     """What is loaded before anything changes: scalar optimizer states of this rank's master pieces,
     buffers and this rank's RNG states (fresh tensors, as the checkpoint's metadata `saved`
-    describes them; None for pickled objects)."""
+    describes them)."""
     state = {}
     for c in engine.optim.chunks:
         for pc in c.pieces:
             for k, kind in kinds.get(pc.slot.name, {}).items():
                 key = f"optim.state.{pc.slot.name}.{k}"
-                if kind == "tensor":
+                if kind != "elementwise":
                     state[key] = torch.zeros(saved[key].size, dtype=saved[key].properties.dtype)
-                elif kind == "object":
-                    state[key] = None
     for key in meta["buffers"]:
         md = saved[f"model.{key}"]
         state[f"model.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
-    if engine.comm.rank < meta["world"]:
-        state[f"rng.{engine.comm.rank}"] = None
+    for key, md in saved.items():
+        if key.startswith(f"rng.{engine.comm.rank}."):
+            state[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return state
 
 

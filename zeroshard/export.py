@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .checkpoint import CheckpointError, dcp_load, read_meta, read_sums, resolve, verify_all
+from .checkpoint import CheckpointError, SafeReader, dcp_load, read_extra, read_meta, read_sums, resolve, verify_all
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -37,8 +37,6 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     most half the largest shard).
     verify: check every file's checksum first. progress: called with one line of text now and then;
     by default a progress bar on stderr when it is a terminal, and the closing line."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     lines = progress  # None: a progress bar instead of lines while writing
     t0 = time.perf_counter()
@@ -47,7 +45,8 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     meta = read_meta(path, sums)
     if verify:
         verify_all(path, sums)
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    read_extra(path)  # not needed here, but a checkpoint zeroshard would not load is not exported either
+    saved = SafeReader(path).read_metadata().state_dict_metadata
 
     out = os.path.abspath(os.fspath(out))
     folder = not out.endswith(".safetensors")
@@ -78,9 +77,11 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     try:
         _write(out_file, entries, saved, path, batch_bytes, total, lines)
         out_file.commit()
-    except BaseException:
+    except BaseException as e:
         out_file.abort()
-        raise
+        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"zeroshard export: reading {path} failed: {type(e).__name__}: {e}") from e
     if folder and meta.get("hf_config") is not None:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(meta["hf_config"], f, indent=2)
