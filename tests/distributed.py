@@ -34,6 +34,16 @@ def _entry(rank, world, port, fn, args):
             dist.destroy_process_group()
 
 
+def every_rank(value) -> list:
+    """Inside a spawned rank: each rank's `value`, on every rank (a world of one: [value])."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def spawn(world: int, fn, *args) -> None:
     """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails."""
     mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)

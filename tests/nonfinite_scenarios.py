@@ -7,11 +7,11 @@ precision. One rank's micro-batch of step 2 (of 3) is NaN, so its gradient is Na
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard
 from models import inputs, make_sgd, max_diff
+from distributed import every_rank
 from scenarios import run_all
 
 SCENARIOS = {}
@@ -40,12 +40,6 @@ def reference(world, skip: int | None):
         opt.step()
         opt.zero_grad()
     return m.state_dict()
-
-
-def every_rank(value):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def train(rank, world, cfg, steps=None):

@@ -11,11 +11,11 @@ import hashlib
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard
 from models import batches, make_sgd, max_diff
+from distributed import every_rank
 from scenarios import run_all
 
 SCENARIOS = {}
@@ -59,15 +59,6 @@ def digest(sd: dict) -> str:
         h.update(k.encode())
         h.update(sd[k].detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def every_rank(value):
-    """Each rank's `value`, on every rank."""
-    if not dist.is_initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def folder(name: str) -> str:
