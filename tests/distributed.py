@@ -45,8 +45,23 @@ def every_rank(value) -> list:
 
 
 def spawn(world: int, fn, *args) -> None:
-    """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails."""
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails. The free port
+    found for the rendezvous can be taken by another process before rank 0 listens on it: then
+    (EADDRINUSE, nothing of `fn` ran) it starts again on another port, up to three times."""
+    for attempt in range(3):
+        try:
+            mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def cause(e: BaseException) -> str:
+    """The last lines of a failure (for a spawned rank: the end of its traceback), to quote in the
+    message of every test that depended on it."""
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: " + " | ".join(lines[-3:])[-600:]
 
 
 class WorldResults:
@@ -67,7 +82,8 @@ class WorldResults:
                 self._cache[world] = e
                 raise
         if isinstance(self._cache[world], BaseException):
-            raise RuntimeError(f"the world-{world} {self.label} scenarios did not run") from self._cache[world]
+            raise RuntimeError(f"the world-{world} {self.label} scenarios did not run: "
+                               f"{cause(self._cache[world])}") from self._cache[world]
         return self._cache[world]
 
 

@@ -11,36 +11,19 @@ Tolerances:
   steps: AdamW moves each parameter by about lr per step, so two runs whose update directions differ
   in rounding stay within that) and mean |diff| <= 1e-4.
 """
-import json
-
 import pytest
-import torch.multiprocessing as mp  # noqa: F401  (spawn needs it importable)
 
-from distributed import spawn
+from distributed import WorldResults
 from models import ADAMW_TOL
 from scenarios import SCENARIOS, run_all
 
 WORLDS = (1, 2, 3)
-_cache = {}
-
-
-def results(world, tmp_path_factory):
-    if world not in _cache:
-        out = tmp_path_factory.mktemp(f"world{world}") / "results.json"
-        try:
-            spawn(world, run_all, str(out))
-            _cache[world] = json.loads(out.read_text())
-        except BaseException as e:  # noqa: B036  (a timeout too: every later test of this world fails at once)
-            _cache[world] = e
-            raise
-    if isinstance(_cache[world], BaseException):
-        raise RuntimeError(f"the world-{world} scenarios did not run") from _cache[world]
-    return _cache[world]
+_results = WorldResults(run_all, "parity")
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"world{w}")
 def res(request, tmp_path_factory):
-    return results(request.param, tmp_path_factory), request.param
+    return _results.get(request.param, tmp_path_factory), request.param
 
 
 def ok(r, name):
