@@ -64,6 +64,19 @@ def cause(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " | ".join(lines[-3:])[-600:]
 
 
+def world2_then_world1(run, root, env: str, subdir: str) -> dict:
+    """run(rank, world, out) at world 2, then at world 1 with os.environ[env] naming the world-2
+    run's `root/subdir` (what the world-1 run resumes from); both JSON results merged."""
+    import json
+    spawn(2, run, str(root / "world2.json"))
+    os.environ[env] = str(root / subdir)
+    try:
+        spawn(1, run, str(root / "world1.json"))
+    finally:
+        del os.environ[env]
+    return {**json.loads((root / "world2.json").read_text()), **json.loads((root / "world1.json").read_text())}
+
+
 class WorldResults:
     """Runs `run(rank, world, out_path)` once per world size (rank 0 writes a JSON of figures) and
     keeps what it wrote, or its failure: then every test of that world fails at once."""

@@ -174,7 +174,7 @@ class ChunkCache:
         expected = self.schedule[self.cursor] if self.cursor < len(self.schedule) else None
         self.departures += 1
         if self.departures == 1:
-            log.warning("zeroshard: chunk uses depart from the %s order (chunk %d used where chunk %s was "
+            log.warning("chunk uses depart from the %s order (chunk %d used where chunk %s was "
                         "expected, position %d of %d): dynamic control flow? Training goes on; where the "
                         "order cannot be followed the cache evicts the least recently used chunk and does "
                         "not prefetch. Logged once; stats()['schedule_departures'] counts them.",

@@ -614,7 +614,8 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
             for key, obj in engine.state_keys}
 
 
-def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None) -> str:
+def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None,
+         omit_pending_grads: bool = False) -> str:
     """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
     states, the config and `client_state` (rank 0's dict of tensors, numbers, strings, None, lists,
     tuples and dicts, e.g. the data position; nothing a load would have to unpickle) as
@@ -623,7 +624,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     `zeroshard export` turns it into one safetensors file."""
     _quiesce(engine)
     comm = engine.comm
-    if engine.grads_pending:
+    if engine.grads_pending and not omit_pending_grads:
         raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
                               "would be lost); save after engine.step() has applied the update")
     kinds = _optim_kinds(engine)
@@ -679,7 +680,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     final = os.path.join(root, tag)
     if comm.rank == 0:
         size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final))
-        log.info("zeroshard: saved checkpoint %s (%.1f MB, world %d) in %.2f s", final, size / 1e6, comm.world,
+        log.info("saved checkpoint %s (%.1f MB, world %d) in %.2f s", final, size / 1e6, comm.world,
                  time.perf_counter() - t0)
     return final
 
@@ -787,12 +788,12 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
     if rng:
         _set_rng_state(rng, engine.device)
     elif comm.rank == meta["world"]:  # once: the first rank the checkpoint has no RNG state for
-        log.info("zeroshard: checkpoint saved at world %d: ranks %d.. keep their own RNG state",
+        log.info("checkpoint saved at world %d: ranks %d.. keep their own RNG state",
                  meta["world"], meta["world"])
     if comm.rank == 0:
         now = engine.zeroshard_config.to_dict()
         changed = {k: (v, now.get(k)) for k, v in meta["config"].items() if now.get(k) != v}
-        log.info("zeroshard: loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
+        log.info("loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
                  "in %.2f s%s", found, meta["world"], meta["stage"], comm.world, engine.stage,
                  time.perf_counter() - t0,
                  "; config now differs: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())

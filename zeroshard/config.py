@@ -77,6 +77,11 @@ class Config:
         rank stopped, hung or far behind; one that died shows at once as a closed connection).
         Applied to the process group zeroshard makes (torchrun's environment) and to its own
         groups; a group you made keeps its own timeout, with a warning when that is longer.
+    grad_norm: measure the global L2 norm of the gradients at every step, for stats()['grad_norm'],
+        also without clipping (False saves one pass over the gradients when clipping is off).
+    log_every: every this many optimizer steps, log stats()'s main figures (loss, learning rate,
+        step time, tokens/s, grad norm, skipped steps) at INFO on the `zeroshard` logger, rank 0
+        only; 0 = never.
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -104,6 +109,8 @@ class Config:
     init_seed: int = 0
     nonfinite: str = "ignore"
     collective_timeout_s: float = 600.0
+    grad_norm: bool = True
+    log_every: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -136,6 +143,10 @@ class Config:
         if isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float)) \
                 or not 0 < self.collective_timeout_s < math.inf:
             bad("collective_timeout_s", "a finite number of seconds > 0")
+        if not isinstance(self.grad_norm, bool):
+            bad("grad_norm", "True or False")
+        if not is_int(self.log_every) or self.log_every < 0:
+            bad("log_every", "an integer >= 0")
         if self.nonfinite not in ("ignore", "skip", "raise"):
             bad("nonfinite", "'ignore', 'skip' or 'raise'")
         if not is_int(self.init_seed) or self.init_seed < 0:

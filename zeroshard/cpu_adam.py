@@ -46,7 +46,7 @@ def kernel():
                                                                   "-fno-math-errno", "-ffp-contract=off"],
                        extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no headers, ...: correct results matter more than speed
-        log.warning("zeroshard: CPU Adam kernel unavailable (%s: %s); using torch's fused AdamW",
+        log.warning("CPU Adam kernel unavailable (%s: %s); using torch's fused AdamW",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         _kernel = None
     return _kernel

@@ -9,6 +9,7 @@ ShardedOptimizer (optimizer.py: fp32 masters of owned ranges, on the device or t
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -35,7 +36,7 @@ from .planner import plan_for, profiled_sequence
 from .precision import InputCasts, cast_buffers
 from .reducer import GradientReducer
 from .saved_tensors import SavedTensorHooks
-from .stats import model_state_bytes, step_stats
+from .stats import StepMeter, describe_step, model_state_bytes, step_stats
 from .timeline import MemoryTimeline
 
 log = logging.getLogger("zeroshard")
@@ -80,6 +81,8 @@ class Engine:
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self.steps = 0
         self._stats = {}
+        self.meter = StepMeter()
+        self._step_hooks = collections.OrderedDict()  # RemovableHandle needs a weakly referable dict
         self.timeline = None  # a MemoryTimeline while record_memory() is on
 
         self.params, self.names = list_parameters(module)
@@ -109,7 +112,7 @@ class Engine:
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                       delay_after=config.delay_update_after,
                                       side_comm=self.comm.side_channel() if delayed else None,
-                                      nonfinite=config.nonfinite)
+                                      nonfinite=config.nonfinite, measure_norm=config.grad_norm)
         if config.check_order:
             self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
@@ -150,7 +153,7 @@ class Engine:
         if self.profile is not None:  # packed in profiled first-use order; follow the profiled schedule
             self.fix_layout()
             self.cache.set_schedule(profiled_sequence(self.profile, self.module, self.layout.chunks_of))
-            log.info("zeroshard: %s", self.plan.describe())
+            log.info("%s", self.plan.describe())
 
     def __getattr__(self, name: str):
         """What the engine lacks comes from the module (as DeepSpeed's): `engine.config`, `.generate()`."""
@@ -165,7 +168,7 @@ class Engine:
     # -- training API -----------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         if self.phase is TrainingPhase.BACKWARD:  # a plain loss.backward() raised half-way
-            log.warning("zeroshard: the previous backward was interrupted; its reductions are abandoned")
+            log.warning("the previous backward was interrupted; its reductions are abandoned")
             self._abandon_backward()
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: forward called while the engine is in {self.phase.value}")
@@ -173,6 +176,8 @@ class Engine:
             self.layout.check_frozen()
         self.comm.pass_index = self.micro_steps
         self.phase = TrainingPhase.FORWARD
+        if torch.is_grad_enabled() and self.module.training:
+            self.meter.forward(args, kwargs)
         try:
             return self._forward(*self._to_device((args, kwargs)))
         finally:
@@ -222,6 +227,7 @@ class Engine:
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: backward() called while the engine is in {self.phase.value} (an "
                                "earlier backward was interrupted, or backward was called inside forward)")
+        self.meter.loss(loss)
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)
         self._begin_backward()
@@ -308,9 +314,14 @@ class Engine:
             self._arrivals.arm(self.chunks)
         self.steps += int(applied)
         self.comm.step = self.steps + 1
-        self._stats = step_stats(self, applied)
+        self._stats = step_stats(self, applied, self.meter.finish(self.comm.world, self.optimizer))
         if self.timeline is not None:
             self.timeline.step_done()
+        every = self.zeroshard_config.log_every
+        if every and self.comm.rank == 0 and self.optim.boundaries % every == 0:
+            log.info("%s", describe_step(self._stats))
+        for hook in list(self._step_hooks.values()):
+            hook(self, self.stats())
         return applied
 
     def apply_delayed_update(self) -> None:
@@ -377,30 +388,34 @@ class Engine:
             raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
         return load_weights(self, path, strict)
 
-    def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> str:
+    def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+                        submodule: str = "") -> str:
         """Collective: write the model as a folder `from_pretrained` opens: its weights as
         model.safetensors, or files of at most `max_shard_size` (bytes, or '5GB') with
         model.safetensors.index.json, and the model's transformers config. Values are the fp32
         masters (`dtype` converts floating ones), tied weights written once; streamed a chunk at a
         time, file i written by rank i mod world, so no rank holds the model (pretrained.py).
-        Returns the folder."""
+        `submodule`: write only that submodule (e.g. "model", the transformers model inside a
+        LightningModule), its keys without the prefix, with its config. Returns the folder."""
         from .pretrained import save_pretrained
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
         self.apply_delayed_update()
         if self.stage == 3:
             self.cache.flush()
-        return save_pretrained(self, path, max_shard_size, dtype)
+        return save_pretrained(self, path, max_shard_size, dtype, submodule)
 
     def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None,
-                        keep: int | None = None) -> str:
+                        keep: int | None = None, omit_pending_grads: bool = False) -> str:
         """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),
         as checkpoint `tag` (default `step<N>`) in directory `root`, atomically; saving to an
         existing tag writes a new version, which readers see whole or not at all (checkpoint.py).
-        `keep`: then remove all but the newest `keep` checkpoints in root. Call it after step().
-        Returns the checkpoint's path (root/tag)."""
+        `keep`: then remove all but the newest `keep` checkpoints in root. Call it after step():
+        gradients accumulated since the last step would not be in it, so it raises CheckpointError
+        then, unless `omit_pending_grads` (the state as of the last step is saved and the gradients
+        stay in memory, as Lightning's checkpoints mid-window do). Returns the checkpoint's path."""
         from .checkpoint import save
-        return save(self, root, tag, client_state, keep)
+        return save(self, root, tag, client_state, keep, omit_pending_grads)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
         """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
@@ -442,3 +457,10 @@ class Engine:
     def stats(self) -> dict:
         """Figures of the last optimizer step, key by key in stats.py."""
         return dict(self._stats)
+
+    def register_step_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+        """`hook(engine, stats)` runs on every rank after each step() at an accumulation boundary
+        (applied or skipped), with that step's stats(): for a logger (`handle.remove()` stops it)."""
+        handle = torch.utils.hooks.RemovableHandle(self._step_hooks)
+        self._step_hooks[handle.id] = hook
+        return handle

@@ -95,7 +95,7 @@ def probe(device: torch.device | str | None = None, dtype: torch.dtype = torch.b
             cached = {}
     if key in cached and not refresh:
         return Hardware(**cached[key])
-    log.info("zeroshard: measuring this machine for the planner (a few seconds, cached in %s)", path)
+    log.info("measuring this machine for the planner (a few seconds, cached in %s)", path)
     hw = _measure(device, dtype)
     cached[key] = dataclasses.asdict(hw)
     try:
@@ -105,7 +105,7 @@ def probe(device: torch.device | str | None = None, dtype: torch.dtype = torch.b
             json.dump(cached, f, indent=1)
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
     except OSError as e:
-        log.warning("zeroshard: could not cache the hardware probe in %s (%s)", path, e)
+        log.warning("could not cache the hardware probe in %s (%s)", path, e)
     return hw
 
 

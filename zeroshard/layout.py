@@ -100,7 +100,7 @@ class ChunkLayout:
         new chunk at a time, and an old chunk lets go of its storage once every parameter in it has
         moved, so no rank ever holds the whole model: at most its model states twice over (the old
         masters stay alive while the optimizer holds their pieces) plus the chunks in transit."""
-        log.info("zeroshard: re-packing %d chunks in order of first use", len(self.chunks))
+        log.info("re-packing %d chunks in order of first use", len(self.chunks))
         self.release_gathered()
         old_of = {id(s.param): (c, s) for c in self.chunks for s in c.slots}
         left = {c: len(c.slots) for c in self.chunks}
@@ -158,7 +158,7 @@ class ChunkLayout:
         index = {id(p): i for i, p in enumerate(params)}
         orders = self.comm.all_gather_objects([index[id(p)] for p in order])
         if any(o != orders[0] for o in orders) and self.comm.rank == 0:
-            log.warning("zeroshard: ranks used the parameters in different orders in their first forward; "
+            log.warning("ranks used the parameters in different orders in their first forward; "
                         "every rank packs chunks in rank 0's order")
         return [params[i] for i in orders[0]]
 

@@ -230,7 +230,7 @@ class InitialValues:
         self.meta = {id(p) for p in params if p.is_meta}
         self.init = MetaInit(module, seed, init_fn) if on_meta(module) else None
         if init_fn is not None and self.init is None:
-            log.warning("zeroshard: init_fn is for a model built on the meta device; this one has no meta tensors, "
+            log.warning("init_fn is for a model built on the meta device; this one has no meta tensors, "
                         "so it is not called")
         self.files, self.source, self.problems, self.missing, self.unexpected = None, {}, [], [], []
         self.read_errors: list[str] = []  # reads that failed while the chunks were built (rank-local)
@@ -250,7 +250,7 @@ class InitialValues:
         if self.weights is not None:
             agree(comm, self.problems, what=f"cannot load {self.weights}:")
         if self.files is not None and comm.rank == 0 and (self.missing or self.unexpected):
-            log.warning("zeroshard: %s: %d tensors not in the file keep the model's values (initialised, on the meta "
+            log.warning("%s: %d tensors not in the file keep the model's values (initialised, on the meta "
                         "device: %s); %d keys in the file are not in the model (%s)", self.weights,
                         len(self.missing), ", ".join(self.missing[:8]),
                         len(self.unexpected), ", ".join(self.unexpected[:8]))

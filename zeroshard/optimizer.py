@@ -108,10 +108,12 @@ class UpdateState(enum.Enum):
 class ShardedOptimizer:
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
-                 delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore"):
+                 delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
+                 measure_norm: bool = True):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
-        nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite)."""
+        nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
+        compute the global gradient norm of every step even without clipping (Config.grad_norm)."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
@@ -120,6 +122,7 @@ class ShardedOptimizer:
         self.dtype = dtype
         self.accumulation = accumulation
         self.clip = clip_grad_norm
+        self.measure_norm = measure_norm or clip_grad_norm is not None
         self.scaler = scaler
         self.nonfinite = nonfinite
         self.optimizer = None
@@ -181,8 +184,7 @@ class ShardedOptimizer:
         if self.scaler is not None:
             self.scaler.update(overflow)
         self.skipped_steps += int(overflow)
-        if self.clip is not None and applied:
-            self.last_grad_norm = norm
+        self.last_grad_norm = norm if applied else None
 
     def _inv_scale(self) -> float:
         scale = self.scaler.grads_scale if self.scaler else 1.0
@@ -205,9 +207,9 @@ class ShardedOptimizer:
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
-        norm = coef = None  # coef: the clipping factor, None when the gradient is left as it is
+        norm = math.sqrt(sq) if self.measure_norm else None
+        coef = None  # the clipping factor, None when the gradient is left as it is
         if self.clip is not None:
-            norm = math.sqrt(sq)
             coef = self.clip / (norm + 1e-6) if norm + 1e-6 > self.clip else None
 
         read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
@@ -252,11 +254,11 @@ class ShardedOptimizer:
         slot, whether that parameter got a gradient on any rank (one that got none is not stepped:
         torch skips a parameter whose .grad is None); with fp16 or a nonfinite policy, whether any
         rank's gradient is not finite (scaling by a finite factor neither makes nor unmakes an inf
-        or NaN, so the unscaled gradients tell); with clipping, the squared L2 norm of the scaled fp32 gradient over every
-        shard, computed chunk by chunk."""
+        or NaN, so the unscaled gradients tell); with clipping or measure_norm, the squared L2 norm
+        of the scaled fp32 gradient over every shard, computed chunk by chunk."""
         flags = [1.0 if i in got else 0.0 for c, got in zip(self.chunks, seen) for i in range(len(c.slots))]
         finite_check = self.scaler is not None or self.nonfinite != "ignore"
-        if comm.world == 1 and not finite_check and self.clip is None:  # nothing to agree on: no device sync
+        if comm.world == 1 and not finite_check and not self.measure_norm:  # nothing to agree on: no device sync
             return [[i in got for i in range(len(c.slots))] for c, got in zip(self.chunks, seen)], False, 0.0
         local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
         if finite_check:
@@ -265,7 +267,7 @@ class ShardedOptimizer:
                     local[-2] = 1.0
                     break
         # Stage 0: every rank holds the whole gradient, so one rank's norm is everyone's.
-        if self.clip is not None and not local[-2] and (self.stage > 0 or comm.rank == 0):
+        if self.measure_norm and not local[-2] and (self.stage > 0 or comm.rank == 0):
             for g in grads:
                 if g is not None:
                     scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)

@@ -224,7 +224,7 @@ def load_weights(engine, path, strict: bool = True) -> Match:
     agree(engine.comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
                                     "load again or restore a checkpoint):")
     if engine.comm.rank == 0 and (m.missing or m.unexpected):
-        log.warning("zeroshard: loaded %s with %d keys missing (%s) and %d unexpected (%s)", path, len(m.missing),
+        log.warning("loaded %s with %d keys missing (%s) and %d unexpected (%s)", path, len(m.missing),
                     ", ".join(m.missing[:8]), len(m.unexpected), ", ".join(m.unexpected[:8]))
     return m
 
@@ -246,15 +246,21 @@ def _file_names(n: int) -> list[str]:
 
 
 @torch.no_grad()
-def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> str:
+def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+                    submodule: str = "") -> str:
     """See Engine.save_pretrained."""
     path = os.path.abspath(os.fspath(path))
     comm, limit = engine.comm, shard_size(max_shard_size)
+    module = engine.module.get_submodule(submodule)  # AttributeError naming it when there is none
+    prefix = submodule + "." if submodule else ""
+    key_of = lambda name: name[len(prefix):] if name.startswith(prefix) else None  # noqa: E731
     # Every tensor once, in chunk order (the order values become available), then the buffers.
-    tensors = [(s.name, dtype or torch.float32, tuple(s.shape)) for c in engine.chunks for s in c.slots]
+    tensors = [(key_of(s.name), dtype or torch.float32, tuple(s.shape)) for c in engine.chunks for s in c.slots
+               if key_of(s.name) is not None]
     params, seen, buffers = {id(p) for p in engine.params}, set(), {}
-    for key, t in engine.state_keys:
-        if id(t) not in params and id(t) not in seen and torch.is_tensor(t):
+    for name, t in engine.state_keys:
+        key = key_of(name)
+        if key is not None and id(t) not in params and id(t) not in seen and torch.is_tensor(t):
             seen.add(id(t))
             buffers[key] = t
             tensors.append((key, dtype if dtype is not None and t.is_floating_point() else t.dtype, tuple(t.shape)))
@@ -284,15 +290,16 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
         finally:
             comm.counting = True
         for s in c.slots:
-            out = mine.get(file_of[s.name])
+            key = key_of(s.name)
+            out = None if key is None else mine.get(file_of[key])
             if out is not None and not problems:
                 try:
-                    out.write(s.name, full[s.offset:s.offset + s.numel].view(s.shape))
+                    out.write(key, full[s.offset:s.offset + s.numel].view(s.shape))
                 except Exception as e:  # noqa: BLE001
                     problems.append(f"rank {comm.rank}: writing {s.name}: {type(e).__name__}: {e}")
         done += c.numel
         if comm.rank == 0 and done / total >= next_report:
-            log.info("zeroshard: save_pretrained %s: %d%%", path, int(100 * done / total))
+            log.info("save_pretrained %s: %d%%", path, int(100 * done / total))
             next_report += 0.25
     del full
     for key, t in buffers.items():
@@ -324,7 +331,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
     agree(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
     if comm.rank == 0:
         try:
-            _finish_folder(engine.module, path, names, files)
+            _finish_folder(module, path, names, files)
         except Exception as e:  # noqa: BLE001
             problems.append(f"{type(e).__name__}: {e}")
     agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")

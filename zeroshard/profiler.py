@@ -115,7 +115,7 @@ class _LiveBytes(TorchDispatchMode):
         Tensors on a real device (the model's own `torch.rand([])`, say) are read as they are."""
         value = True if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
         if not self.assumed:
-            log.warning("zeroshard.profile: the model reads a tensor's value (%s); on the meta device "
+            log.warning("the model reads a tensor's value (%s); on the meta device "
                         "there is none, assuming %r. If a branch depends on it, the profile may differ "
                         "from training; the runtime then falls back (and says so).", t.dtype, value)
         self.assumed += 1

@@ -9,11 +9,64 @@ stage-3 cache excluded), `model_state_bytes_by_device` (the same split into 'dev
 `transfer_bytes` ('h2d' and 'd2h' bytes copied since the previous step), `cache_peak_chunks` and
 `cache_peak_bytes` (the most gathered chunks held at once), `cache_overflows`,
 `schedule_departures`, `device_model_bytes` (model states on the device plus the rCache's peak: what
-the planner predicts), `loss_scale`, `grad_norm` (with clipping), `skipped_steps` (optimizer steps
-skipped since the start for a non-finite gradient: fp16 overflow, config nonfinite='skip'), and
-counts of parameters, chunks and padded elements.
+the planner predicts), `loss_scale`, `grad_norm` (the global L2 norm of the step's gradient over all
+ranks, before clipping; None with config grad_norm=False and no clipping, or when the step was
+skipped), `skipped_steps` (optimizer steps skipped since the start for a non-finite gradient: fp16
+overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
+
+What a training loop watches (StepMeter): `loss` (the mean of the losses this rank gave
+engine.backward since the previous step: this rank's micro-batches only; None when backward ran as
+loss.backward()), `lr` (the first param group's learning rate this step used) and `lrs` (every
+group's), `step_time_s` (host wall time from the end of the previous step() to the end of this one:
+forwards, backwards and the update), `samples_per_s` and `tokens_per_s` (this rank's training
+micro-batches since the previous step, times the world size, over step_time_s: a global rate when
+ranks take equal micro-batches; samples are the first tensor argument's leading dimension, tokens
+the elements of `input_ids`, else of the first integer tensor argument; None without one).
 """
 from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StepMeter:
+    """Counts what one optimizer step's micro-batches fed and cost, on the host without waiting
+    for the device (the losses stay tensors until the step ends)."""
+
+    def __init__(self):
+        self.started: float | None = None  # the first training forward's start, until a step ends
+        self.losses: list[torch.Tensor] = []
+        self.samples = self.tokens = 0
+
+    def forward(self, args: tuple, kwargs: dict) -> None:
+        """A training forward's inputs (called with gradients enabled)."""
+        if self.started is None:
+            self.started = time.perf_counter()
+        tensors = [a for a in args if torch.is_tensor(a)] + [v for v in kwargs.values() if torch.is_tensor(v)]
+        if tensors and tensors[0].dim() > 0:
+            self.samples += tensors[0].shape[0]
+        ids = kwargs.get("input_ids")
+        if not torch.is_tensor(ids):
+            ids = next((t for t in tensors if not t.is_floating_point() and not t.is_complex()
+                        and t.dtype is not torch.bool), None)
+        if ids is not None:
+            self.tokens += ids.numel()
+
+    def loss(self, loss: torch.Tensor) -> None:
+        self.losses.append(loss.detach())
+
+    def finish(self, world: int, optimizer) -> dict:
+        """The step's figures; starts the next step's count."""
+        now = time.perf_counter()
+        seconds = now - (self.started if self.started is not None else now)
+        loss = float(torch.stack([x.float().mean() for x in self.losses]).mean()) if self.losses else None
+        lrs = [float(g["lr"]) for g in optimizer.param_groups if "lr" in g] if optimizer is not None else []
+        rate = lambda n: n * world / seconds if n and seconds > 0 else None  # noqa: E731
+        out = {"loss": loss, "lr": lrs[0] if lrs else None, "lrs": lrs, "step_time_s": seconds,
+               "samples_per_s": rate(self.samples), "tokens_per_s": rate(self.tokens)}
+        self.started, self.losses, self.samples, self.tokens = now, [], 0, 0
+        return out
 
 
 def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
@@ -29,11 +82,13 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     return by_kind, by_device
 
 
-def step_stats(engine, applied: bool) -> dict:
-    """The figures of the step just taken; restarts the counters they came from."""
+def step_stats(engine, applied: bool, meter: dict) -> dict:
+    """The figures of the step just taken (`meter`: StepMeter.finish's); restarts the counters
+    they came from."""
     by_kind, by_device = model_state_bytes(engine.chunks, engine.optim)
     cache = engine.cache
     out = {
+        **meter,
         "step": engine.steps,
         "applied": applied,
         "comm_elements": engine.comm.elements,
@@ -60,3 +115,14 @@ def step_stats(engine, applied: bool) -> dict:
     engine.transfer.reset_counters()
     cache.reset_peak()
     return out
+
+
+def describe_step(stats: dict) -> str:
+    """One log line of a step's main figures."""
+    def num(key, fmt):
+        v = stats.get(key)
+        return "-" if v is None else format(v, fmt)
+    return (f"step {stats['step']}: loss {num('loss', '.4f')}, lr {num('lr', '.3g')}, grad norm "
+            f"{num('grad_norm', '.3g')}, {num('step_time_s', '.3f')} s, {num('tokens_per_s', '.0f')} tokens/s, "
+            f"skipped {stats['skipped_steps']}, model states {stats['model_state_bytes'] / 2**20:.1f} MiB, "
+            f"cache peak {stats['cache_peak_bytes'] / 2**20:.1f} MiB")

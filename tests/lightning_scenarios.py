@@ -1,0 +1,198 @@
+"""Lightning on zeroshard (issue 17): ZeroShardStrategy at stages 0-3, against the same training as
+a plain zeroshard loop and as single-process PyTorch on the global batch.
+
+Every run: a tiny GPT-2 in a LightningModule, 40 sequences of 16 tokens in order (an unshuffled
+DistributedSampler gives rank r the indices r, r+world, ...; Lightning's own would shuffle), so each
+of the 10 optimizer steps (2 epochs of 5) trains on 8 sequences at any world size: 2 micro-batches
+(accumulate_grad_batches) of 8 / (2 x world) sequences per rank. The step-5 checkpoint ends an
+epoch: Lightning resumes a plain dataloader at an epoch's start (mid-epoch it would start the
+epoch's data over, with or without zeroshard). AdamW with weight-decay groups (0.1 on weights, none on
+biases and norms), a linear schedule with 2 warmup steps stepped every optimizer step,
+gradient_clip_val 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from models import tiny_gpt2
+
+STEPS, STEPS_PER_EPOCH, ACCUMULATION, SEQUENCES_PER_STEP, SEQ = 10, 5, 2, 8, 16
+
+
+def data():
+    return torch.randint(0, 128, (STEPS_PER_EPOCH * SEQUENCES_PER_STEP, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+def first_of_step(k: int) -> int:
+    """The index of step k's first sequence (the data repeats every epoch)."""
+    return (k % STEPS_PER_EPOCH) * SEQUENCES_PER_STEP
+
+
+def grouped_adamw(model):
+    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or ".ln_" in n or "ln_f" in n)]
+    rest = [p for n, p in model.named_parameters() if n.endswith("bias") or ".ln_" in n or "ln_f" in n]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+
+
+def schedule(opt):
+    from transformers import get_linear_schedule_with_warmup
+    return get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS)
+
+
+def module_class():
+    import lightning.pytorch as pl
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+        def predict_step(self, batch, batch_idx):
+            return self.model(input_ids=batch).logits
+
+        def configure_optimizers(self):
+            opt = grouped_adamw(self.model)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
+    return LM
+
+
+def reference() -> dict:
+    model = tiny_gpt2()
+    x = data()
+    opt = grouped_adamw(model)
+    sched = schedule(opt)
+    norms = []
+    for k in range(STEPS):
+        batch = x[first_of_step(k):first_of_step(k) + SEQUENCES_PER_STEP]
+        model(input_ids=batch, labels=batch).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        val = float(model(input_ids=x[:8], labels=x[:8]).loss)
+        logits = model(input_ids=x[:8]).logits
+    return {"state": model.state_dict(), "norms": norms, "val_loss": val, "logits": logits}
+
+
+def plain_loop(rank: int, world: int, stage: int) -> dict:
+    import zeroshard
+    model = tiny_gpt2()
+    x = data()
+    opt = grouped_adamw(model)
+    engine = zeroshard.initialize(model, opt, {"stage": stage, "clip_grad_norm": 1.0,
+                                               "gradient_accumulation_steps": ACCUMULATION})
+    sched = schedule(engine.optimizer)
+    per = SEQUENCES_PER_STEP // (world * ACCUMULATION)
+    for k in range(STEPS):
+        for i in range(ACCUMULATION):
+            idx = [first_of_step(k) + (i * per + j) * world + rank for j in range(per)]
+            engine.backward(engine(input_ids=x[idx], labels=x[idx]).loss)
+        engine.step()
+        sched.step()
+    return engine.full_state_dict()
+
+
+def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = None,
+        gradient_clip_algorithm: str = "norm", **config):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+    per = SEQUENCES_PER_STEP // (world * ACCUMULATION)
+    sampler = torch.utils.data.DistributedSampler(data(), num_replicas=world, rank=rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(data(), batch_size=per, sampler=sampler)
+    checkpoints = ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=5, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroShardStrategy(stage=stage, **config),
+                         max_steps=STEPS, accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0,
+                         gradient_clip_algorithm=gradient_clip_algorithm,
+                         logger=CSVLogger(out, name="csv"), log_every_n_steps=1, callbacks=[checkpoints],
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=False)
+    module = module_class()()
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def metrics_csv(trainer) -> list[dict]:
+    import csv
+    path = os.path.join(trainer.logger.log_dir, "metrics.csv")
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
+
+
+def run(rank: int, world: int, out_path: str) -> None:
+    """World 2: Lightning and the plain loop at stages 0-3 (and stage 3 with the optimizer
+    offloaded), validate and predict, save_pretrained from the strategy's engine; world 1: the
+    reference, and Lightning resumed from the world-2 stage-3 run's step-5 checkpoint."""
+    import transformers
+    transformers.logging.set_verbosity_error()
+    root = os.path.dirname(out_path)
+    results = {}
+    key = lambda k: k[len("model."):]  # noqa: E731  (the LightningModule's keys: model.<GPT-2 key>)
+    if world == 2:
+        for name, stage, config in [("stage0", 0, {}), ("stage1", 1, {}), ("stage2", 2, {}), ("stage3", 3, {}),
+                                    ("stage3_offload", 3, {"offload_optimizer": True})]:
+            out = os.path.join(root, name)
+            trainer, module = fit(rank, world, stage, out, **config)
+            engine = trainer.strategy.engine
+            full = {key(k): v for k, v in engine.full_state_dict().items()}
+            plain = plain_loop(rank, world, stage)
+            res = {"vs_plain": max_diff(full, plain), "global_step": trainer.global_step}
+            if rank == 0:
+                torch.save(full, os.path.join(root, f"{name}.pt"))
+                rows = metrics_csv(trainer)
+                res["logged"] = [{k: v for k, v in r.items() if v != ""} for r in rows]
+            res["checkpoints"] = sorted(os.listdir(os.path.join(out, "ckpt")))
+            if name == "stage3":
+                val = torch.utils.data.DataLoader(data()[:8], batch_size=4, sampler=torch.utils.data.DistributedSampler(
+                    data()[:8], num_replicas=world, rank=rank, shuffle=False))
+                res["val_loss"] = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+                logits = torch.cat(trainer.predict(module, val))
+                gathered = [torch.empty_like(logits) for _ in range(world)]
+                torch.distributed.all_gather(gathered, logits)
+                if rank == 0:  # rank r predicted sequences r, r + world, ...
+                    ordered = torch.empty(8, *logits.shape[1:])
+                    for r, g in enumerate(gathered):
+                        ordered[r::world] = g
+                    torch.save(ordered, os.path.join(root, "logits.pt"))
+                engine.save_pretrained(os.path.join(out, "pretrained"), submodule="model")  # the GPT-2 inside
+                if rank == 0:
+                    loaded = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(out, "pretrained")).state_dict()
+                    res["pretrained_keys"] = sorted(loaded) == sorted(full)
+                    res["pretrained_max_diff"] = max_diff(loaded, full)
+            results[name] = res
+    else:
+        ref = reference()
+        torch.save(ref.pop("state"), os.path.join(root, "reference.pt"))
+        torch.save(ref.pop("logits"), os.path.join(root, "reference_logits.pt"))
+        results["reference"] = ref
+        ckpt = os.path.join(os.environ["LIGHTNING_STAGE3_OUT"], "ckpt", "epoch=0-step=5.ckpt")
+        trainer, _ = fit(rank, world, 3, os.path.join(root, "resumed"), ckpt_path=ckpt)
+        full = {key(k): v for k, v in trainer.strategy.engine.full_state_dict().items()}
+        torch.save(full, os.path.join(root, "resumed.pt"))
+        results["resumed"] = {"global_step": trainer.global_step, "logged": metrics_csv(trainer)}
+        try:  # clipping by value needs whole gradients: refused before anything trains
+            fit(rank, world, 2, os.path.join(root, "by_value"), gradient_clip_algorithm="value")
+            results["clip_by_value"] = "trained"
+        except ValueError as e:
+            results["clip_by_value"] = str(e)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, default=str)

@@ -1,0 +1,88 @@
+"""Lightning on zeroshard (issue 17): ZeroShardStrategy at stages 0-3 (and stage 3 with the optimizer
+offloaded) on 2 ranks trains what the same training written as a plain zeroshard loop trains, and
+what single-process PyTorch trains on the global batch; resumed at world 1 from a world-2 checkpoint
+it continues identically; validate and predict run the trained model; the engine's figures reach
+Lightning's CSV logger; the GPT-2 inside exports to a folder from_pretrained opens.
+
+Tolerances: AdamW 3e-5 (ADAMW_TOL; ranks sum in another order than one process); grad norms 1e-4
+relative; validation loss 1e-4; predicted logits 1e-3.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+from distributed import world2_then_world1  # noqa: E402
+from lightning_scenarios import STEPS, max_diff, run  # noqa: E402
+from models import ADAMW_TOL  # noqa: E402
+
+RUNS = ("stage0", "stage1", "stage2", "stage3", "stage3_offload")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lightning")
+    results = world2_then_world1(run, root, "LIGHTNING_STAGE3_OUT", "stage3")
+    load = lambda name: torch.load(root / name)  # noqa: E731
+    return {**results,
+            "reference_state": load("reference.pt"), "resumed_state": load("resumed.pt"),
+            "state": {n: load(f"{n}.pt") for n in RUNS}, "logits": load("logits.pt"),
+            "reference_logits": load("reference_logits.pt")}
+
+
+def grad_norms(logged: list[dict]) -> dict[int, float]:
+    return {int(r["step"]): float(r["zeroshard/grad_norm"]) for r in logged if r.get("zeroshard/grad_norm")}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
+    assert runs[name]["global_step"] == STEPS
+    assert runs[name]["vs_plain"] <= ADAMW_TOL
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_lightning_trains_what_single_process_pytorch_trains_on_the_global_batch(runs, name):
+    assert max_diff(runs["state"][name], runs["reference_state"]) <= ADAMW_TOL
+    norms = grad_norms(runs[name]["logged"])
+    assert sorted(norms) == list(range(STEPS))
+    assert [norms[k] for k in range(STEPS)] == pytest.approx(runs["reference"]["norms"], rel=1e-4)
+    assert any(n > 1.0 for n in runs["reference"]["norms"])  # clipping did act
+
+
+def test_resuming_at_another_world_size_continues_identically(runs):
+    assert runs["resumed"]["global_step"] == STEPS
+    assert max_diff(runs["resumed_state"], runs["state"]["stage3"]) <= ADAMW_TOL
+    assert max_diff(runs["resumed_state"], runs["reference_state"]) <= ADAMW_TOL
+    resumed = grad_norms(runs["resumed"]["logged"])
+    assert sorted(resumed) == list(range(5, STEPS))  # steps 6..10 ran after the step-5 checkpoint
+    assert [resumed[k] for k in range(5, STEPS)] == pytest.approx(runs["reference"]["norms"][5:], rel=1e-4)
+
+
+def test_checkpoints_are_written_where_modelcheckpoint_names_them(runs):
+    for name in RUNS:
+        assert runs[name]["checkpoints"] == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt"]
+
+
+def test_validate_and_predict_run_the_trained_model(runs):
+    assert runs["stage3"]["val_loss"] == pytest.approx(runs["reference"]["val_loss"], abs=1e-4)
+    assert runs["logits"].shape == runs["reference_logits"].shape == (8, 16, 128)
+    assert float((runs["logits"] - runs["reference_logits"]).abs().max()) <= 1e-3
+
+
+def test_the_gpt2_inside_exports_to_a_folder_from_pretrained_opens(runs):
+    assert runs["stage3"]["pretrained_keys"] and runs["stage3"]["pretrained_max_diff"] == 0.0
+
+
+def test_the_engines_figures_reach_lightnings_logger(runs):
+    rows = [r for r in runs["stage3"]["logged"] if r.get("zeroshard/step_time_s")]
+    assert len(rows) == STEPS
+    for r in rows:
+        assert float(r["zeroshard/step_time_s"]) > 0 and float(r["zeroshard/tokens_per_s"]) > 0
+        assert float(r["zeroshard/model_state_bytes"]) > 0 and float(r["zeroshard/cache_peak_bytes"]) > 0
+        assert float(r["zeroshard/skipped_steps"]) == 0 and r["zeroshard/lr"] != ""
+
+
+def test_clipping_by_value_is_refused_by_name(runs):
+    assert "gradient_clip_algorithm='value'" in runs["clip_by_value"]

@@ -1,0 +1,49 @@
+"""zeroshard where users already train: `integrations.transformers` (the Hugging Face Trainer) and
+`integrations.lightning` (a Lightning Strategy). Each imports its framework only when imported
+itself: neither framework is a dependency of zeroshard (extras `transformers`, `lightning`).
+"""
+from __future__ import annotations
+
+import torch
+
+# engine.stats() keys both integrations log as `zeroshard/<key>` (stats.py documents each)
+LOGGED = ("step_time_s", "tokens_per_s", "samples_per_s", "skipped_steps", "model_state_bytes", "cache_peak_bytes",
+          "loss_scale")
+
+
+class EngineOptimizer:
+    """What a Trainer holds as its optimizer: `step()` is the engine's step (reduced gradients,
+    clipping, the update, the parameters published), `zero_grad()` the engine's. `param_groups` is
+    the engine optimizer's own list, so a change to a group's lr reaches the update."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.step_was_skipped = False  # accelerate asks its optimizers this before stepping the scheduler
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.engine.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.engine.optimizer.state
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("zeroshard: the engine's step takes no closure (its gradients come from backward)")
+        self.step_was_skipped = not self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
+
+    def state_dict(self):
+        raise RuntimeError("zeroshard: the optimizer state is sharded; it is saved with the engine's checkpoint "
+                           "(engine.save_checkpoint), which the integrations' checkpoints use")
+
+    def load_state_dict(self, state_dict):
+        raise RuntimeError("zeroshard: the optimizer state is sharded; load it with the engine's checkpoint "
+                           "(engine.load_checkpoint)")

@@ -1,0 +1,192 @@
+"""Lightning on zeroshard: `ZeroShardStrategy`, a Lightning Strategy that trains the LightningModule
+on a zeroshard engine (stages 0-3, offload, everything zeroshard's Config holds).
+
+    trainer = lightning.Trainer(accelerator="cpu", devices=2, strategy=ZeroShardStrategy(stage=3),
+                                precision="bf16-mixed", gradient_clip_val=1.0, accumulate_grad_batches=2)
+    trainer.fit(module, data)
+
+What comes from Lightning, as it does without zeroshard:
+- the process group and the data: as DDPStrategy (torchrun's or Lightning's own launch, a
+  DistributedSampler per rank);
+- the optimizer and LR schedulers from `configure_optimizers` (one optimizer, built over the
+  module's parameters: the engine adopts it with its param groups, and the schedulers built on it
+  set the rate the update applies);
+- `accumulate_grad_batches`: Lightning divides the loss and steps at the window's end; the engine
+  reduces each micro-batch's gradient as it arrives (its own accumulation count stays 1);
+- `gradient_clip_val` (by norm) becomes config `clip_grad_norm`, applied over every shard inside the
+  step; clipping by value raises ValueError (it needs whole gradients);
+- `precision`: "32-true" / "bf16-mixed" / "bf16-true" / "16-mixed" / "16-true" become config
+  precision fp32 / bf16 / bf16 / fp16 / fp16 (zeroshard's mixed precision: fp32 masters, 16-bit
+  compute copies, dynamic loss scaling for fp16; no autocast);
+- checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`, `fit(ckpt_path=...)`): each checkpoint
+  path is a directory holding a zeroshard sharded checkpoint (fp32 masters, optimizer states, RNG)
+  with Lightning's own state (loops, callbacks, LR schedulers, epoch, step) as its client state;
+  loading reshards across world size and stage. `save_pretrained` / `full_state_dict` on
+  `strategy.engine` export the model.
+The engine's figures go to every Lightning logger (tensorboard, CSV, ...) every
+`log_every_n_steps` optimizer steps: `zeroshard/<key>` for each key of integrations.LOGGED, and
+`zeroshard/grad_norm` (before clipping) and `zeroshard/lr`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+
+import zeroshard
+from ..config import Config, load_config
+from . import LOGGED, EngineOptimizer
+
+PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
+             "16-true": "fp16"}
+
+
+def _plain(obj, where: str):
+    """Lightning's checkpoint state as what a checkpoint loads without unpickling code: dict
+    subclasses as dicts; anything that is not a tensor, number, string, None or container of them
+    as its repr, with a warning (hyperparameters of custom types, mostly)."""
+    if isinstance(obj, dict):
+        return {k: _plain(v, f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)) \
+            if type(obj) in (list, tuple) else [_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return obj
+    warnings.warn(f"zeroshard: checkpoint entry {where} ({type(obj).__name__}) is stored as its repr: a "
+                  "checkpoint holds no pickled objects")
+    return repr(obj)
+
+
+class ZeroShardStrategy(DDPStrategy):
+    """Trains the LightningModule on a zeroshard engine (module docstring). `config`: a zeroshard
+    Config, dict or file; keyword arguments override its fields (`ZeroShardStrategy(stage=3)`).
+    `strategy.engine` is the engine once fit/validate/test/predict has set it up."""
+
+    strategy_name = "zeroshard"
+
+    def __init__(self, config: Config | dict | str | None = None, **fields):
+        super().__init__()
+        cfg = load_config(config)
+        self.zeroshard_config = dataclasses.replace(cfg, **fields)
+        self.engine = None
+
+    # -- set-up ----------------------------------------------------------------------------------------
+    def _engine_config(self, trainer: "pl.Trainer") -> Config:
+        cfg = self.zeroshard_config
+        precision = PRECISION.get(str(self.precision_plugin.precision))
+        if precision is None:
+            raise ValueError(f"zeroshard: Lightning precision {self.precision_plugin.precision!r} is not supported; "
+                             f"use one of {sorted(PRECISION)}")
+        algorithm = trainer.gradient_clip_algorithm  # None (norm), or Lightning's enum or string
+        if trainer.gradient_clip_val and str(getattr(algorithm, "value", algorithm) or "norm") != "norm":
+            raise ValueError("zeroshard: gradient_clip_algorithm='value' needs whole gradients, which are sharded; "
+                             "clip by norm (the default)")
+        clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else cfg.clip_grad_norm
+        return dataclasses.replace(cfg, precision=precision, clip_grad_norm=clip, gradient_accumulation_steps=1)
+
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self.engine is None:  # the first fit/validate/test/predict makes it; later ones reuse it
+            cfg = self._engine_config(trainer)
+            self.setup_optimizers(trainer)  # configure_optimizers: the engine adopts the optimizer
+            if len(self.optimizers) > 1:
+                raise ValueError(f"zeroshard: configure_optimizers must return one optimizer, not {len(self.optimizers)}")
+            optimizer = self.optimizers[0] if self.optimizers else None
+            # zeroshard's own precision: no autocast, no GradScaler from Lightning's plugin
+            plugin = Precision()
+            plugin.precision = self.precision_plugin.precision
+            self.precision_plugin = plugin
+            self.engine = zeroshard.initialize(self.lightning_module, optimizer, cfg, device=self.root_device)
+            self.optimizers = [EngineOptimizer(self.engine)] if optimizer is not None else []
+
+    def model_to_device(self) -> None:
+        """The engine places the model."""
+
+    # -- a step ----------------------------------------------------------------------------------------
+    def _forward(self, method: str, *args, **kwargs):
+        return self._forward_redirection(self.engine, self.lightning_module, method, *args, **kwargs)
+
+    def training_step(self, *args, **kwargs):
+        return self._forward("training_step", *args, **kwargs)
+
+    def validation_step(self, *args, **kwargs):
+        return self._forward("validation_step", *args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        return self._forward("test_step", *args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        return self._forward("predict_step", *args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
+        self.engine.backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs):
+        result = closure()  # training_step and backward (Lightning's automatic optimization)
+        self.engine.step()
+        self._log_stats()
+        return result
+
+    def _log_stats(self) -> None:
+        trainer = self.lightning_module.trainer
+        if not trainer.loggers or (trainer.global_step + 1) % max(trainer.log_every_n_steps, 1):
+            return
+        stats = self.engine.stats()
+        metrics = {f"zeroshard/{k}": float(stats[k]) for k in (*LOGGED, "grad_norm", "lr") if stats.get(k) is not None}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist to load into it
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine's checkpoint holds the optimizer states
+
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # the model's sharded state is in the engine's checkpoint
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """Collective: a directory at `filepath` with the engine's checkpoint and Lightning's state."""
+        if storage_options is not None:
+            raise TypeError("zeroshard: storage_options are not supported")
+        state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        # ModelCheckpoint may fire inside an accumulation window (on resuming): Lightning's
+        # checkpoint is then the state after the last step, without the window's gradients.
+        self.engine.save_checkpoint(os.fspath(filepath), tag="state", client_state=_plain(state, "checkpoint"),
+                                    omit_pending_grads=True)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """Collective: load the engine's checkpoint; returns Lightning's state saved with it."""
+        return self.engine.load_checkpoint(os.fspath(checkpoint_path))
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Loaded with the engine's checkpoint."""
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Loaded with the engine's checkpoint."""
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def teardown(self) -> None:
+        """Lightning's teardown without moving the module to the CPU (its parameters live in the
+        engine's chunks)."""
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
