@@ -114,3 +114,52 @@ def test_cli_model_and_errors(capsys):
     assert rows["on the meta device: initialize(meta model, weights=...)"][0] == "0.31"
     assert zeroshard.cli.main(["estimate"]) == 2
     assert zeroshard.cli.main(["estimate", "1B", "--gpus", "0"]) == 2
+
+
+# -- tensor parallelism and ZeRO-R's P_a (issue 18, the estimator's part) ----------------------------
+@pytest.mark.parametrize("mp", [2, 4, 16])
+def test_tensor_parallelism_divides_every_model_state_by_its_degree(mp):
+    for stage, off in [(0, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer+params")]:
+        d1, h1 = per_param(stage, 64, offload=off)
+        d, h = per_param(stage, 64, offload=off, mp=mp)
+        assert (d, h) == pytest.approx((d1 / mp, h1 / mp))
+    # Table 2: the largest model at MP x 64 GPUs is MP times the MP-1 size
+    for stage in range(4):
+        assert largest_model(32e9, stage, 64, mp=mp) == pytest.approx(mp * largest_model(32e9, stage, 64))
+    with pytest.raises(ValueError, match="tensor-parallel degree"):
+        per_param(2, 4, mp=0)
+
+
+def test_partitioned_activation_checkpoints_are_one_mp_th_and_cost_a_twelfth_of_mp_traffic():
+    from zeroshard.estimate import activation_checkpoint_bytes, communication_per_step
+    shape = dict(layers=24, batch=8, seq=1024, hidden=1024)
+    full = 24 * 8 * 1024 * 1024 * 2  # one bf16 checkpoint per block input
+    assert activation_checkpoint_bytes(**shape, mp=16) == (full, 0.0)  # MP replicates them
+    assert activation_checkpoint_bytes(**shape, mp=16, partitioned=True) == (full / 16, 0.0)
+    assert activation_checkpoint_bytes(**shape, mp=16, partitioned=True, on_host=True) == (0.0, full / 16)
+    with pytest.raises(ValueError, match="on_host needs partitioned"):
+        activation_checkpoint_bytes(**shape, mp=16, on_host=True)
+    c = communication_per_step(1.5e9, 2, 16, **shape, partitioned=True)
+    # the paper, section 8: 12 x seq x hidden per block for MP, P_a adds seq x hidden: under 10%
+    assert c["mp"] == 12 * 8 * 1024 * 1024 * 24 and c["p_a"] == c["mp"] / 12 < 0.1 * c["mp"]
+    assert c["dp"] == 2 * 1.5e9 / 16
+    assert communication_per_step(1.5e9, 3, 16, **shape)["dp"] == 3 * 1.5e9 / 16
+    assert communication_per_step(1.5e9, 2, 1, **shape, partitioned=True)["p_a"] == 0.0  # no MP: nothing to gather
+
+
+def test_cli_tensor_parallel_and_activation_checkpoints(capsys):
+    assert zeroshard.cli.main(["estimate", "gpt2", "--gpus", "1", "--tp", "2", "--seq-len", "1024",
+                               "--micro-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    tables = out.split("\n\n")
+    assert "tensor parallel 2" in tables[0]
+    one = per_param(0, 1, mp=2)[0] * 124439808 / 1e9
+    assert table_rows(tables[0])["0"] == [f"{one:.2f} / 0.00"]
+    ckpt = table_rows(tables[1])  # 12 blocks x 8 x 1024 x 768 x 2 bytes = 0.151 GB
+    assert ckpt["replicated (no P_a)"] == ["0.151 / 0.000"]
+    assert ckpt["P_a: partitioned over the MP ranks"] == ["0.075 / 0.000"]
+    assert ckpt["P_a+cpu: partitioned, on the host"] == ["0.000 / 0.075"]
+    assert table_rows(tables[2])["3"][-1] == "8.3%"
+    assert zeroshard.cli.main(["estimate", "1B", "--seq-len", "1024"]) == 2  # no config: --layers/--hidden needed
+    assert zeroshard.cli.main(["estimate", "1B", "--tp", "2", "--seq-len", "1024", "--layers", "24",
+                               "--hidden", "2048"]) == 0

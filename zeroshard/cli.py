@@ -218,6 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "largest model that would")
     m.add_argument("--ranks-per-node", type=int, default=8, help="processes (GPUs) per node, for the host memory "
                    "needed while the model is built and loaded (default 8)")
+    m.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel (MP) degree beside the data-parallel "
+                   "GPUs: each GPU holds 1/TP of every parameter (default 1)")
+    a = m.add_argument_group("activation checkpoints (ZeRO-R's P_a), for a transformer checkpointed at each block")
+    a.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence: print checkpoint memory "
+                   "and communication per step")
+    a.add_argument("--micro-batch", type=positive_int, default=1, help="sequences per micro-batch per GPU (default 1)")
+    a.add_argument("--layers", type=positive_int, default=None, help="transformer blocks (default: the model's config)")
+    a.add_argument("--hidden", type=positive_int, default=None, help="hidden size (default: the model's config)")
     m.add_argument("--paper", action="store_true", help="print the ZeRO paper's Table 1 and Table 2 (theoretical)")
     m.set_defaults(func=cmd_estimate, subparser=m)
     return parser
@@ -262,14 +270,16 @@ def cmd_estimate(args) -> int:
         raise UsageError("--ranks-per-node must be at least 1")
     psi = parameter_count(args.model)
     source = f"{psi:,.0f} parameters" if psi is not None else ""
-    largest = None
+    largest = shape = None
     if psi is None:
         loaded = load_model(args.model, checkpointing=False)
         psi = float(sum(p.numel() for p in loaded.model.parameters()))
         largest = float(max(t.numel() for t in list(loaded.model.parameters()) + list(loaded.model.buffers())))
         source = f"{loaded.source}: {psi:,.0f} parameters"
-    kw = dict(precision=args.precision, optimizer=args.optimizer)
-    print(f"{source}; {args.precision}, {args.optimizer}; model states per GPU in GB (1e9 bytes), "
+        shape = _transformer_shape(getattr(loaded.model, "config", None))
+    kw = dict(precision=args.precision, optimizer=args.optimizer, mp=args.tp)
+    tp = f", tensor parallel {args.tp} (each GPU holds 1/{args.tp} of every parameter)" if args.tp > 1 else ""
+    print(f"{source}; {args.precision}, {args.optimizer}{tp}; model states per GPU in GB (1e9 bytes), "
           "device / host")
     configs = [(s, "none") for s in range(4)] + [(s, "optimizer") for s in (1, 2, 3)] + [(3, "optimizer+params")]
     names = {"none": "", "optimizer": " + offload", "optimizer+params": " + offload + params"}
@@ -291,6 +301,11 @@ def cmd_estimate(args) -> int:
                                                                               **kw)) for n in args.gpus)
                 for stage, off in configs]
         print(markdown(head, rows))
+    if args.seq_len is not None:
+        layers, hidden = args.layers or (shape or (None, None))[0], args.hidden or (shape or (None, None))[1]
+        if layers is None or hidden is None:
+            raise UsageError("--seq-len: give --layers and --hidden (a parameter count has no config to read them from)")
+        _print_activation_checkpoints(psi, args, layers, hidden)
     print()
     per_node = args.ranks_per_node
     normal = load_host_bytes(psi, largest, per_node, meta=False)
@@ -303,6 +318,36 @@ def cmd_estimate(args) -> int:
          "give a model to size its largest tensor" if meta is None else f"{meta / 1e9:.2f}",
          "4 bytes x the largest tensor")]))
     return 0
+
+
+def _transformer_shape(config) -> tuple[int, int] | None:
+    """(blocks, hidden size) from a transformers config, where it names them."""
+    layers = next((getattr(config, k) for k in ("num_hidden_layers", "n_layer") if hasattr(config, k)), None)
+    hidden = next((getattr(config, k) for k in ("hidden_size", "n_embd", "d_model") if hasattr(config, k)), None)
+    return (layers, hidden) if layers and hidden else None
+
+
+def _print_activation_checkpoints(psi: float, args, layers: int, hidden: int) -> None:
+    """ZeRO-R's P_a: checkpoint memory per GPU and communication per step (estimate.py)."""
+    from .estimate import activation_checkpoint_bytes, communication_per_step
+    b, seq, mp = args.micro_batch, args.seq_len, args.tp
+    print()
+    print(f"activation checkpoints ({layers} blocks x {b} x {seq} tokens x {hidden}, {args.precision}, one per "
+          f"block), GB per GPU, device / host, tensor parallel {mp}:")
+    rows = []
+    for name, part, host in (("replicated (no P_a)", False, False), ("P_a: partitioned over the MP ranks", True, False),
+                             ("P_a+cpu: partitioned, on the host", True, True)):
+        d, h = activation_checkpoint_bytes(layers, b, seq, hidden, args.precision, mp=mp, partitioned=part, on_host=host)
+        rows.append((name, f"{d / 1e9:.3f} / {h / 1e9:.3f}"))
+    print(markdown(("checkpoints", "GB"), rows))
+    print()
+    print("communication per GPU per step of one micro-batch, in elements (the paper's accounting):")
+    rows = []
+    for stage in (0, 1, 2, 3):
+        c = communication_per_step(psi, stage, mp, layers, b, seq, hidden, partitioned=True)
+        share = f"{100 * c['p_a'] / c['mp']:.1f}%" if c["mp"] else "-"
+        rows.append((str(stage), f"{c['dp']:.3g}", f"{c['mp']:.3g}", f"{c['p_a']:.3g}", share))
+    print(markdown(("stage", "ZeRO data parallel", "MP all-reduces", "P_a all-gathers", "P_a / MP"), rows))
 
 
 def _params_words(n: float) -> str:

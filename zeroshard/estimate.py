@@ -11,10 +11,21 @@ What each stage keeps per rank, Psi parameters over N ranks (zeroshard's runtime
 padding aside; `Chunk.state_bytes` counts it):
 - stage 0: (p + g + k) Psi; stage 1: (p + g) Psi + k Psi / N; stage 2: p Psi + (g + k) Psi / N;
   stage 3: (p + g + k) Psi / N.
+- with tensor (model) parallelism of degree MP beside the N data-parallel ranks, each rank holds
+  1/MP of every parameter, so every figure above is divided by MP (the paper's Table 2).
 - offload "optimizer" (offload_optimizer) moves k to the host, and from stage 2 the gradient shard
   too (stages 1: the full gradient stays on the device, its owned slice is copied down); "params"
   (offload_params, stage 3) moves the parameter shard. Buffers of the stage-3 cache, activations and the
   allocator's slack are not model states and are not counted.
+
+Activation checkpoints (ZeRO-R, the paper's sections 6.1 and 8): a transformer checkpointed at each
+block's input keeps layers x batch x seq x hidden values per rank. Tensor parallelism replicates
+them on its MP ranks; P_a partitions each across them (1/MP per rank), P_a+cpu keeps that part in
+host memory. Communication per step, in elements (the paper's accounting): Megatron's MP with
+checkpointing all-reduces 12 x batch x seq x hidden per block (two all-reduces each in forward,
+recomputation and backward, an all-reduce counting twice its message), P_a adds one all-gather of
+the block's checkpoint (batch x seq x hidden); ZeRO's data parallelism moves 2 Psi / MP per rank at
+stages 0-2 and 3 Psi / MP at stage 3.
 """
 from __future__ import annotations
 
@@ -37,8 +48,11 @@ class Estimate:
 
 
 def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = "adam",
-              offload: str = "none") -> tuple[float, float]:
-    """(device, host) bytes per parameter on one rank."""
+              offload: str = "none", mp: int = 1) -> tuple[float, float]:
+    """(device, host) bytes per parameter of the model on one rank: `world` data-parallel ranks,
+    each parameter split over `mp` tensor-parallel ranks."""
+    if not isinstance(mp, int) or mp < 1:
+        raise ValueError(f"mp (the tensor-parallel degree) must be an integer >= 1, got {mp!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
     if offload not in ("none", "optimizer", "params", "optimizer+params"):
@@ -65,13 +79,36 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
     if "params" in offload:
         device -= params
         host += params
-    return device, host
+    return device / mp, host / mp
 
 
 def estimate(params: float, stage: int, world: int, **kw) -> Estimate:
     """Model-state bytes per rank for `params` parameters."""
     d, h = per_param(stage, world, **kw)
     return Estimate(stage, kw.get("offload", "none"), d * params, h * params)
+
+
+def activation_checkpoint_bytes(layers: int, batch: int, seq: int, hidden: int, precision: str = "bf16",
+                                mp: int = 1, partitioned: bool = False, on_host: bool = False) -> tuple[float, float]:
+    """(device, host) bytes of activation checkpoints per rank for a transformer checkpointed at
+    each block's input: replicated on the `mp` tensor-parallel ranks, or with P_a (`partitioned`)
+    1/mp each, on the host with P_a+cpu (`on_host`)."""
+    if on_host and not partitioned:
+        raise ValueError("P_a+cpu offloads the partitioned checkpoints: on_host needs partitioned")
+    total = layers * batch * seq * hidden * COMPUTE_BYTES[precision]
+    mine = total / mp if partitioned else total
+    return (0.0, mine) if on_host else (mine, 0.0)
+
+
+def communication_per_step(params: float, stage: int, mp: int, layers: int, batch: int, seq: int,
+                           hidden: int, partitioned: bool = False) -> dict[str, float]:
+    """Elements each rank moves per optimizer step of one micro-batch, as the paper counts them:
+    'mp' (Megatron's all-reduces with checkpointing; 0 without tensor parallelism), 'p_a' (P_a's
+    all-gathers) and 'dp' (ZeRO's data-parallel traffic for this rank's 1/mp of the model)."""
+    block = batch * seq * hidden
+    return {"mp": 12.0 * block * layers if mp > 1 else 0.0,
+            "p_a": float(block * layers) if partitioned and mp > 1 else 0.0,
+            "dp": (3 if stage == 3 else 2) * params / mp}
 
 
 def load_host_bytes(params: float, largest: float | None, ranks_per_node: int, meta: bool) -> float | None:
