@@ -86,3 +86,29 @@ def test_the_engines_figures_reach_lightnings_logger(runs):
 
 def test_clipping_by_value_is_refused_by_name(runs):
     assert "gradient_clip_algorithm='value'" in runs["clip_by_value"]
+
+
+def test_a_config_that_contradicts_the_lightning_trainer_is_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+
+    def trainer(**kw):
+        return SimpleNamespace(**{"gradient_clip_val": None, "gradient_clip_algorithm": None,
+                                  "accumulate_grad_batches": 1, **kw})
+    strategy = ZeroShardStrategy(stage=3, precision="bf16", clip_grad_norm=0.5, gradient_accumulation_steps=2)
+    cfg = strategy._engine_config(trainer(accumulate_grad_batches=2))  # Lightning's defaults leave the config's
+    assert (cfg.stage, cfg.precision, cfg.clip_grad_norm, cfg.gradient_accumulation_steps) == (3, "bf16", 0.5, 1)
+    for kw, setting in [({"gradient_clip_val": 1.0, "accumulate_grad_batches": 2}, "gradient_clip_val"),
+                        ({"gradient_clip_val": 0.5}, "accumulate_grad_batches")]:
+        with pytest.raises(ValueError, match=setting):
+            strategy._engine_config(trainer(**kw))
+    strategy = ZeroShardStrategy({"precision": "fp16"})
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    with pytest.raises(ValueError, match="precision"):
+        strategy._engine_config(trainer())
+    strategy = ZeroShardStrategy(stage=2)
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    assert strategy._engine_config(trainer(gradient_clip_val=2.0)).precision == "bf16"

@@ -341,7 +341,8 @@ def _print_activation_checkpoints(psi: float, args, layers: int, hidden: int) ->
         rows.append((name, f"{d / 1e9:.3f} / {h / 1e9:.3f}"))
     print(markdown(("checkpoints", "GB"), rows))
     print()
-    print("communication per GPU per step of one micro-batch, in elements (the paper's accounting):")
+    print("communication per GPU per step of one micro-batch, in elements (the paper's accounting; the data-parallel "
+          "column with more than one data-parallel GPU):")
     rows = []
     for stage in (0, 1, 2, 3):
         c = communication_per_step(psi, stage, mp, layers, b, seq, hidden, partitioned=True)

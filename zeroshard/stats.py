@@ -17,8 +17,8 @@ overflow, config nonfinite='skip'), and counts of parameters, chunks and padded 
 What a training loop watches (StepMeter): `loss` (the mean of the losses this rank gave
 engine.backward since the previous step: this rank's micro-batches only; None when backward ran as
 loss.backward()), `lr` (the first param group's learning rate this step used) and `lrs` (every
-group's), `step_time_s` (host wall time from the end of the previous step() to the end of this one:
-forwards, backwards and the update), `samples_per_s` and `tokens_per_s` (this rank's training
+group's), `step_time_s` (host wall time from the end of the previous step(), or for the first step
+from its first training forward, to the end of this one: forwards, backwards and the update), `samples_per_s` and `tokens_per_s` (this rank's training
 micro-batches since the previous step, times the world size, over step_time_s: a global rate when
 ranks take equal micro-batches; samples are the first tensor argument's leading dimension, tokens
 the elements of `input_ids`, else of the first integer tensor argument; None without one).

@@ -4,11 +4,32 @@ itself: neither framework is a dependency of zeroshard (extras `transformers`, `
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+from ..config import Config, load_config
 
 # engine.stats() keys both integrations log as `zeroshard/<key>` (stats.py documents each)
 LOGGED = ("step_time_s", "tokens_per_s", "samples_per_s", "skipped_steps", "model_state_bytes", "cache_peak_bytes",
           "loss_scale")
+
+
+def settle(config, decided: dict, setting_of: dict, framework: str, agrees=lambda key, value: False,
+           explicit: frozenset = frozenset()) -> Config:
+    """The engine's config: `config` (any form load_config takes) with the keys the framework
+    `decided`. A key the config sets (a key of a dict config, one in `explicit`, or any field away
+    from its default) to another value than the framework's raises ValueError naming the
+    framework's setting (`setting_of[key]`), unless `agrees(key, value)`: the framework's setting
+    governs it, and two silently different answers would not do."""
+    cfg, defaults = load_config(config), Config()
+    given = set(explicit) | (set(config) if isinstance(config, dict) else set())
+    for key, value in decided.items():
+        mine = getattr(cfg, key)
+        if (key in given or mine != getattr(defaults, key)) and mine != value and not agrees(key, mine):
+            raise ValueError(f"zeroshard config {key}={mine!r} contradicts {framework}'s {setting_of[key]} (which "
+                             f"gives {value!r}); set it through {framework}")
+    return dataclasses.replace(cfg, **decided)
 
 
 class EngineOptimizer:

@@ -15,9 +15,11 @@ What comes from Lightning, as it does without zeroshard:
   reduces each micro-batch's gradient as it arrives (its own accumulation count stays 1);
 - `gradient_clip_val` (by norm) becomes config `clip_grad_norm`, applied over every shard inside the
   step; clipping by value raises ValueError (it needs whole gradients);
-- `precision`: "32-true" / "bf16-mixed" / "bf16-true" / "16-mixed" / "16-true" become config
-  precision fp32 / bf16 / bf16 / fp16 / fp16 (zeroshard's mixed precision: fp32 masters, 16-bit
-  compute copies, dynamic loss scaling for fp16; no autocast);
+- `precision`: "bf16-mixed" / "bf16-true" / "16-mixed" / "16-true" become config precision
+  bf16 / bf16 / fp16 / fp16 (zeroshard's mixed precision: fp32 masters, 16-bit compute copies,
+  dynamic loss scaling for fp16; no autocast); Lightning's default "32-true" leaves the config's;
+- a config field that contradicts the Lightning Trainer (precision, clip_grad_norm against
+  gradient_clip_val, gradient_accumulation_steps against accumulate_grad_batches) raises ValueError;
 - checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`, `fit(ckpt_path=...)`): each checkpoint
   path is a directory holding a zeroshard sharded checkpoint (fp32 masters, optimizer states, RNG)
   with Lightning's own state (loops, callbacks, LR schedulers, epoch, step) as its client state;
@@ -41,7 +43,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import zeroshard
 from ..config import Config, load_config
-from . import LOGGED, EngineOptimizer
+from . import LOGGED, EngineOptimizer, settle
 
 PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
              "16-true": "fp16"}
@@ -53,9 +55,9 @@ def _plain(obj, where: str):
     as its repr, with a warning (hyperparameters of custom types, mostly)."""
     if isinstance(obj, dict):
         return {k: _plain(v, f"{where}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)) \
-            if type(obj) in (list, tuple) else [_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, (list, tuple)):  # a named tuple becomes a plain tuple
+        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return tuple(items) if isinstance(obj, tuple) else items
     if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
         return obj
     warnings.warn(f"zeroshard: checkpoint entry {where} ({type(obj).__name__}) is stored as its repr: a "
@@ -74,11 +76,13 @@ class ZeroShardStrategy(DDPStrategy):
         super().__init__()
         cfg = load_config(config)
         self.zeroshard_config = dataclasses.replace(cfg, **fields)
+        self.explicit = frozenset(fields) | frozenset(config if isinstance(config, dict) else ())
         self.engine = None
 
     # -- set-up ----------------------------------------------------------------------------------------
     def _engine_config(self, trainer: "pl.Trainer") -> Config:
-        cfg = self.zeroshard_config
+        """The strategy's config with what the Lightning Trainer decides; a config field that
+        contradicts it raises ValueError (settle)."""
         precision = PRECISION.get(str(self.precision_plugin.precision))
         if precision is None:
             raise ValueError(f"zeroshard: Lightning precision {self.precision_plugin.precision!r} is not supported; "
@@ -87,8 +91,15 @@ class ZeroShardStrategy(DDPStrategy):
         if trainer.gradient_clip_val and str(getattr(algorithm, "value", algorithm) or "norm") != "norm":
             raise ValueError("zeroshard: gradient_clip_algorithm='value' needs whole gradients, which are sharded; "
                              "clip by norm (the default)")
-        clip = float(trainer.gradient_clip_val) if trainer.gradient_clip_val else cfg.clip_grad_norm
-        return dataclasses.replace(cfg, precision=precision, clip_grad_norm=clip, gradient_accumulation_steps=1)
+        decided = {"gradient_accumulation_steps": 1}
+        if precision != "fp32":  # Lightning's default "32-true" leaves the config's precision standing
+            decided["precision"] = precision
+        if trainer.gradient_clip_val:  # otherwise the config's clip_grad_norm stands
+            decided["clip_grad_norm"] = float(trainer.gradient_clip_val)
+        return settle(self.zeroshard_config, decided, {"precision": "precision", "clip_grad_norm": "gradient_clip_val",
+                                                       "gradient_accumulation_steps": "accumulate_grad_batches"},
+                      "the Lightning Trainer", explicit=self.explicit, agrees=lambda key, value:
+                      key == "gradient_accumulation_steps" and value == trainer.accumulate_grad_batches)
 
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None

@@ -31,6 +31,7 @@ cache bytes, fp16 loss scale), from engine.stats().
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -38,30 +39,26 @@ import transformers
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 import zeroshard
-from ..config import Config, load_config
-from . import LOGGED, EngineOptimizer
+from ..config import Config
+from . import LOGGED, EngineOptimizer, settle
 
 ENGINE_DIR = "zeroshard"  # inside a checkpoint-N folder: the engine's sharded checkpoint
 
 
 def engine_config(config: Config | dict | str | None, args: transformers.TrainingArguments) -> Config:
     """The engine's config: `config` with what TrainingArguments decide (see the module docstring).
-    A key of a dict config that contradicts the arguments raises ValueError: set it through them."""
-    cfg = load_config(config)
-    given = dict(config) if isinstance(config, dict) else {}
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else given.get("precision", "fp32")
-    clip = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
-    decided = {"precision": precision, "clip_grad_norm": clip, "gradient_accumulation_steps": 1}
-    arg_of = {"precision": "bf16/fp16", "clip_grad_norm": "max_grad_norm",
-              "gradient_accumulation_steps": "gradient_accumulation_steps"}
-    for key, value in decided.items():
-        if key in given and given[key] != value and not (key == "gradient_accumulation_steps" and
-                                                         given[key] == args.gradient_accumulation_steps):
-            raise ValueError(f"zeroshard config {key}={given[key]!r} contradicts TrainingArguments "
-                             f"({arg_of[key]} gives {value!r}); set it through TrainingArguments")
-    if not isinstance(config, dict) or "collective_timeout_s" not in config:
-        decided["collective_timeout_s"] = float(args.ddp_timeout)
-    return Config(**{**cfg.__dict__, **decided})
+    A config key that contradicts the arguments raises ValueError: set it through them."""
+    decided = {"clip_grad_norm": float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None,
+               "gradient_accumulation_steps": 1}
+    if args.bf16 or args.fp16:  # otherwise the config's precision stands
+        decided["precision"] = "bf16" if args.bf16 else "fp16"
+    cfg = settle(config, decided, {"precision": "bf16/fp16", "clip_grad_norm": "max_grad_norm",
+                                   "gradient_accumulation_steps": "gradient_accumulation_steps"}, "TrainingArguments",
+                 agrees=lambda key, value: key == "gradient_accumulation_steps" and value == args.gradient_accumulation_steps)
+    if not (isinstance(config, dict) and "collective_timeout_s" in config) and \
+            cfg.collective_timeout_s == Config().collective_timeout_s:  # unless the config sets it
+        cfg = dataclasses.replace(cfg, collective_timeout_s=float(args.ddp_timeout))
+    return cfg
 
 
 class ZeroShardTrainer(transformers.Trainer):
