@@ -13,6 +13,16 @@ from zeroshard.config import Config, load_config
 
 
 # -- config ---------------------------------------------------------------------------------------
+def test_tensor_parallel_config_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="partition_activations .* needs tensor_parallel > 1"):
+        load_config({"partition_activations": True})
+    with pytest.raises(ValueError, match="does not plan tensor-parallel models"):
+        load_config({"tensor_parallel": 2, "offload": "auto"})
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        load_config({"tensor_parallel": 0})
+    assert load_config({"tensor_parallel": 2, "partition_activations": True}).tensor_parallel == 2
+
+
 @pytest.mark.parametrize("key,value,valid", [
     ("stage", 4, "0, 1, 2, 3 or 'auto'"), ("stage", True, "0, 1, 2, 3 or 'auto'"), ("precision", "fp8", "'bf16'"),
     ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),

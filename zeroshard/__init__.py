@@ -25,8 +25,9 @@ from .module_state import GradientsInChunksError, ModuleMovedError
 from .optimizer import NonFiniteError
 from .pretrained import WeightsError
 from .profiler import Profile, profile
+from .tensor_parallel import device_mesh
 
-__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "profile", "Profile", "CheckpointError", "CollectiveTimeoutError",
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile", "CheckpointError", "CollectiveTimeoutError",
            "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError",
            "NonFiniteError", "UninitializedTensorError", "WeightsError"]
 

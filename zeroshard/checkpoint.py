@@ -607,9 +607,12 @@ def _quiesce(engine) -> None:
 
 def full_state_dict(engine) -> dict[str, torch.Tensor]:
     """See Engine.full_state_dict: the model's own state_dict keys, full fp32 parameter values and
-    buffers as they are, on the CPU (a collective)."""
+    buffers as they are, on the CPU (a collective; with tensor parallelism over the TP group too: a
+    split parameter's whole tensor, as plain torch would hold it)."""
     _quiesce(engine)
     full = engine.layout.full_values()
+    if engine.tp is not None:
+        full = {i: engine.tp.full_tensor(p, full[i]) for i, p in ((id(p), p) for p in engine.params)}
     return {key: (full[id(obj)] if id(obj) in full else engine.module.get_buffer(key)).detach().cpu().clone()
             for key, obj in engine.state_keys}
 

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from .offload import Pending, Placement, Transfer
 from .ordering import GATHER, REDUCE
+from .tensor_parallel import set_local
 
 ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
 
@@ -314,12 +315,12 @@ class Chunk:
     def bind_params(self) -> None:
         """Point every parameter's data at its view of the full chunk."""
         for s in self.slots:
-            s.param.data = self.full[s.offset:s.offset + s.numel].view(s.shape)
+            set_local(s.param, self.full[s.offset:s.offset + s.numel].view(s.shape))
 
     def unbind_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for s in self.slots:
-            s.param.data = empty
+            set_local(s.param, empty)
 
     def await_arrival(self) -> None:
         """Wait for the update arriving into this chunk, if any (on the device where it can)."""

@@ -219,7 +219,8 @@ class Comm:
         if self.world == 1:
             return Comm(torch.device("cpu"), self.group)
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo", timeout=collective_timeout()))
+        return Comm(torch.device("cpu"), dist.new_group(ranks, backend="gloo", timeout=collective_timeout(),
+                                                        use_local_synchronization=ranks is not None))
 
     def _count(self, n: int) -> None:
         if self.counting and self.world > 1:

@@ -82,6 +82,13 @@ class Config:
     log_every: every this many optimizer steps, log stats()'s main figures (loss, learning rate,
         step time, tokens/s, grad norm, skipped steps) at INFO on the `zeroshard` logger, rank 0
         only; 0 = never.
+    tensor_parallel: ranks per tensor-parallel group (tensor_parallel.py). With N > 1 the model must
+        have been split with `parallelize_module` over `zeroshard.device_mesh(N)["tp"]`; ZeRO then
+        runs over the mesh's data-parallel dimension (world / N ranks per group).
+    partition_activations: ZeRO-R's P_a, with tensor_parallel > 1: every tensor saved for backward
+        that all ranks of a TP group hold alike (with activation checkpointing: the checkpoints) is
+        kept 1/N per rank and all-gathered over the TP group when backward needs it; with
+        offload_activations the part waits on the host (P_a+cpu).
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -111,6 +118,8 @@ class Config:
     collective_timeout_s: float = 600.0
     grad_norm: bool = True
     log_every: int = 0
+    tensor_parallel: int = 1
+    partition_activations: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -206,6 +215,16 @@ class Config:
             if self.prefetch is not True:
                 warnings.warn(f"zeroshard config: prefetch={self.prefetch} has no effect at stage {self.stage}: "
                               "only stage 3 gathers (and prefetches) chunks", stacklevel=3)
+        if not is_int(self.tensor_parallel) or self.tensor_parallel < 1:
+            bad("tensor_parallel", "an integer >= 1 (ranks per tensor-parallel group)")
+        if not isinstance(self.partition_activations, bool):
+            bad("partition_activations", "true or false")
+        if self.partition_activations and self.tensor_parallel == 1:
+            raise ValueError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
+                             "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")
+        if self.tensor_parallel > 1 and self.planned:
+            raise ValueError("zeroshard config: offload/stage 'auto' does not plan tensor-parallel models yet; set "
+                             "the stage (and offload_*) yourself (`zeroshard estimate --tp` sizes them)")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")

@@ -37,6 +37,7 @@ from .precision import InputCasts, cast_buffers
 from .reducer import GradientReducer
 from .saved_tensors import SavedTensorHooks
 from .stats import StepMeter, describe_step, model_state_bytes, step_stats
+from .tensor_parallel import PartitionedActivations, TensorParallel, local_grad, local_shape
 from .timeline import MemoryTimeline
 
 log = logging.getLogger("zeroshard")
@@ -62,7 +63,13 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_process_group(self.device, config.collective_timeout_s)
-        self.comm = Comm(self.device)
+        self.tp = None  # the tensor-parallel side (tensor_parallel.py); ZeRO runs over its "dp" group
+        if config.tensor_parallel > 1:
+            if weights is not None or init_fn is not None:
+                raise ValueError("zeroshard: weights= and init_fn= do not take tensor-parallel models yet: build "
+                                 "the model with its weights, then parallelize_module it")
+            self.tp = TensorParallel(module, config.tensor_parallel, self.device)
+        self.comm = Comm(self.device, group=self.tp.dp_group if self.tp else None)
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
         if config.planned:
@@ -86,8 +93,10 @@ class Engine:
         self.timeline = None  # a MemoryTimeline while record_memory() is on
 
         self.params, self.names = list_parameters(module)
-        self.shapes = {id(p): p.shape for p in self.params}
+        self.shapes = {id(p): local_shape(p) for p in self.params}  # what this rank stores of each
         start = InitialValues(module, self.params, weights, init_fn, config.init_seed)
+        if self.tp is not None:
+            self.tp.sync_replicated(self.params)
         start.check(self.comm)  # collective: a file a rank cannot read raises on every rank
         cast_buffers(module, self.dtype, config.buffer_dtype)
         self.state_keys = resolve_state(module, self.device)
@@ -146,8 +155,10 @@ class Engine:
         # The prefetch schedule is recorded over the first micro-batch that runs entirely on the
         # final packing (layout.py: chunks are re-packed in order of first use after the first).
         self.layout.record_first_use(module)
+        partition = PartitionedActivations(self.tp.comm, self.transfer, config.offload_activations) \
+            if config.partition_activations else None
         self.saved = SavedTensorHooks(self.device, self.transfer, self.hooks, lambda: self.chunks,
-                                      config.offload_activations)
+                                      config.offload_activations, partition)
         self.cache.recording = True
         self._micro_layout_final = False
         if self.profile is not None:  # packed in profiled first-use order; follow the profiled schedule
@@ -282,7 +293,7 @@ class Engine:
             self._begin_backward(by_autograd=True)
         self.comm.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
-        self.reducer.add(chunk, slot, p.grad)
+        self.reducer.add(chunk, slot, local_grad(p, p.grad))
         p.grad = None
         if self.timeline is not None:  # before finishing reductions: the most gradient buffers held
             self.timeline.sample("backward", slot.name)
@@ -342,6 +353,11 @@ class Engine:
             self.cache.flush()
         return True
 
+    def _whole_model_only(self, what: str) -> None:
+        if self.tp is not None:  # each TP group would write (or read) the same files with its own shards
+            raise NotImplementedError(f"zeroshard: {what} does not take tensor-parallel models yet; "
+                                      "full_state_dict() gives the whole model on every rank")
+
     def _settle(self) -> None:
         """Wait for every chunk still arriving (ArrivalHooks)."""
         if self._arrivals is not None:
@@ -384,6 +400,7 @@ class Engine:
         shape mismatch, raises WeightsError on every rank before anything is written. Optimizer state
         is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
         from .pretrained import load_weights
+        self._whole_model_only("load_weights")
         if not self._before_load():
             raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
         return load_weights(self, path, strict)
@@ -398,6 +415,7 @@ class Engine:
         `submodule`: write only that submodule (e.g. "model", the transformers model inside a
         LightningModule), its keys without the prefix, with its config. Returns the folder."""
         from .pretrained import save_pretrained
+        self._whole_model_only("save_pretrained")
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
         self.apply_delayed_update()
@@ -415,6 +433,7 @@ class Engine:
         then, unless `omit_pending_grads` (the state as of the last step is saved and the gradients
         stay in memory, as Lightning's checkpoints mid-window do). Returns the checkpoint's path."""
         from .checkpoint import save
+        self._whole_model_only("save_checkpoint")
         return save(self, root, tag, client_state, keep, omit_pending_grads)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
@@ -422,6 +441,7 @@ class Engine:
         checking its files, model and optimizer (CheckpointError before anything changes otherwise).
         Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
+        self._whole_model_only("load_checkpoint")
         return load(self, path, tag, load_optimizer)
 
     @contextlib.contextmanager

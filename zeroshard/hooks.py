@@ -250,8 +250,13 @@ class ArrivalGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _wait_for(self, t: torch.Tensor) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor parameter: its local shard lives in the chunk
         if t.layout is torch.strided and not t.is_meta:
-            c = self.pending.pop(t.untyped_storage().data_ptr(), None)
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except RuntimeError:  # a wrapper subclass with no storage of its own (an async collective's)
+                return
+            c = self.pending.pop(ptr, None)
             if c is not None:
                 c.await_arrival()
 

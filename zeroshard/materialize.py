@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .pretrained import WeightFiles, WeightsError, agree, match
+from .tensor_parallel import local
 
 log = logging.getLogger("zeroshard")
 
@@ -283,7 +284,7 @@ class InitialValues:
             return self._read(key, lo, hi, slot.param.dtype)
         if id(slot.param) in self.meta:
             return self.init.fill(slot, lo, hi)
-        return slot.param.detach().reshape(-1)[lo:hi]
+        return local(slot.param).detach().reshape(-1)[lo:hi]
 
     def _read(self, key: str, lo: int, hi: int, dtype: torch.dtype):
         """The file's blocks of [lo, hi), rounded to `dtype`; zeros for the rest of the range if a read

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .hooks import Stage3Hooks, direct_params
+from .tensor_parallel import local, set_local
 
 
 class StateDictLoading:
@@ -95,7 +96,7 @@ def full_parameters(engine, writeback: bool):
         engine.cache.flush()
     values = engine.layout.full_values()  # collective: fp32, from the masters (frozen: the 16-bit copies)
     for p in engine.params:
-        p.data = values[id(p)]
+        set_local(p, values[id(p)])
     if engine.hooks is not None:
         engine.hooks.show_real_parameters(True)
     try:
@@ -103,7 +104,7 @@ def full_parameters(engine, writeback: bool):
         if writeback:
             for c in engine.chunks:
                 for s in c.slots:
-                    _write(c, s, s.param.data)
+                    _write(c, s, local(s.param).data)
     finally:
         if engine.hooks is not None:
             engine.hooks.show_real_parameters(False)

@@ -214,5 +214,7 @@ def check_group(group, ranks: list[int] | None, renew: bool):
     key = group if group is not None else dist.group.WORLD
     if renew:
         _retire_check_groups()  # older ones belong to destroyed process groups, or diverged
-        _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=collective_timeout())
+        # Only the group's own ranks call this (each data-parallel group of a 2D mesh makes its own).
+        _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=collective_timeout(),
+                                            use_local_synchronization=ranks is not None)
     return _check_groups[key]

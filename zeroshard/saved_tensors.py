@@ -1,9 +1,15 @@
 """Tensors autograd saves for backward during zeroshard's forward: one pair of saved-tensor hooks
-serves three features.
+serves these features.
 - Stage 3: a saved view of a gathered chunk (a parameter, or a view of one) is kept as a reference
   (hooks.ChunkView) and re-gathered in backward, so the chunk can be released in between.
-- Activation offload (ZeRO-R's P_a+cpu): other saved tensors wait in host memory (offload.py).
-- The memory timeline counts saved tensors while it records (timeline.py).
+- P_a, with tensor parallelism: a saved tensor every rank of the TP group holds alike is kept
+  1/MP per rank and all-gathered in backward (tensor_parallel.py).
+- Activation offload (ZeRO-R's P_a+cpu): other saved tensors (P_a's parts too) wait in host memory
+  (offload.py).
+- DTensors (activations inside a tensor-parallel region that is not checkpointed) are kept as they
+  are, on the device.
+- The memory timeline counts saved tensors while it records (timeline.py), and `saved_bytes` what
+  the last forward kept (with P_a or activation offload on), for stats().
 Model states (chunk storage) are never offloaded or counted as activations.
 """
 from __future__ import annotations
@@ -12,9 +18,11 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .hooks import ChunkView
 from .offload import ActivationOffload, Pending, Transfer
+from .tensor_parallel import Partitioned, PartitionedActivations
 
 
 class Saved:
@@ -30,21 +38,27 @@ class Saved:
 
 class SavedTensorHooks:
     """`stage3`: the stage-3 hooks (None below stage 3); `chunks`: the engine's current chunks (they
-    change when it re-packs); `offload_activations`: keep saved activations on the host."""
+    change when it re-packs); `offload_activations`: keep saved activations on the host;
+    `partition`: P_a over the TP group (None: off)."""
 
     def __init__(self, device: torch.device, transfer: Transfer, stage3, chunks: Callable[[], list],
-                 offload_activations: bool):
+                 offload_activations: bool, partition: PartitionedActivations | None = None):
         self.device = device
         self.stage3 = stage3
         self.chunks = chunks
         self.offload = ActivationOffload(transfer, self.is_model_state) if offload_activations else None
+        self.partition = partition
         self._by_reference = False  # this forward saves stage-3 chunk views by reference
         self._timeline = None  # the memory timeline recording this forward, if any
+        # with P_a or activation offload: bytes of activations the last forward saved for backward,
+        # by where they wait ("device", "host"), each storage once; None before the first forward
+        self.saved_bytes: dict[str, int] | None = None
+        self._storages: set = set()
 
     def needed(self, timeline) -> bool:
         """Whether a forward needs the hooks (with the engine's timeline, recording or not)."""
         recording = timeline is not None and timeline.recording
-        return self.stage3 is not None or self.offload is not None or recording
+        return self.stage3 is not None or self.offload is not None or self.partition is not None or recording
 
     @contextlib.contextmanager
     def around_forward(self, timeline, by_reference: bool):
@@ -52,24 +66,54 @@ class SavedTensorHooks:
         references (not in the forward that may re-pack chunks: references would name old chunks)."""
         self._by_reference = by_reference
         self._timeline = timeline if timeline is not None and timeline.recording else None
+        if self.partition is not None or self.offload is not None:
+            self.saved_bytes, self._storages = {"device": 0, "host": 0}, set()
+        if self.partition is not None:
+            self.partition.begin_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._timeline = None
+            self._storages = set()
+
+    def _count(self, t: torch.Tensor, on_host: bool) -> None:
+        if self.saved_bytes is None:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or storage-less subclass
+            return
+        if storage.data_ptr() not in self._storages:
+            self._storages.add(storage.data_ptr())
+            self.saved_bytes["host" if on_host else "device"] += storage.nbytes()
 
     def pack(self, t: torch.Tensor):
+        if isinstance(t, DTensor):  # see the module docstring
+            return Saved(t.detach(), t._version)
         if self.stage3 is not None and self._by_reference:
             ref = self.stage3.pack_chunk_view(t)
             if ref is not None:
                 return ref
-        packed = self.offload.pack(t) if self.offload is not None else t
         tl = self._timeline
+        if self.partition is not None and t.is_floating_point() and t.device == self.device \
+                and not isinstance(t, torch.nn.Parameter) and not self.is_model_state(t):
+            part = self.partition.pack(t)
+            if part is not None:
+                piece = part.piece.tensor if isinstance(part.piece, Pending) else part.piece
+                on_host = isinstance(part.piece, Pending)
+                self._count(piece, on_host)
+                return tl.track(part, piece, on_host) if tl is not None else part
+        packed = self.offload.pack(t) if self.offload is not None else t
         if isinstance(packed, Pending):
+            self._count(packed.tensor, True)
             return tl.track(Saved(packed, None), packed.tensor, on_host=True) if tl is not None else packed
         saved = Saved(t.detach(), t._version)
-        if tl is not None and not self.is_model_state(t):
-            tl.track(saved, t, t.device.type == "cpu" and self.device.type != "cpu")
+        if (tl is not None or self.saved_bytes is not None) and not self.is_model_state(t):
+            on_host = t.device.type == "cpu" and self.device.type != "cpu"
+            self._count(t, on_host)
+            if tl is not None:
+                tl.track(saved, t, on_host)
         return saved
 
     def unpack(self, packed):
@@ -82,6 +126,8 @@ class SavedTensorHooks:
             packed = packed.inner
         if isinstance(packed, ChunkView):
             return self.stage3.unpack_chunk_view(packed)
+        if isinstance(packed, Partitioned):
+            return self.partition.unpack(packed)
         if isinstance(packed, Pending):
             return self.offload.unpack(packed)
         return packed

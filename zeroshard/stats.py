@@ -14,6 +14,13 @@ ranks, before clipping; None with config grad_norm=False and no clipping, or whe
 skipped), `skipped_steps` (optimizer steps skipped since the start for a non-finite gradient: fp16
 overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
 
+With tensor parallelism (tensor_parallel.py) the counts above are of the data-parallel group
+(`world_size` is its size; parameter counts are this rank's local shards); `tensor_parallel` is the
+TP degree. `saved_activation_bytes` ({'device': bytes, 'host': bytes} the last training forward
+saved for backward, each storage once; None unless P_a or activation offload is on), and with P_a
+`pa_elements` (elements P_a's all-gathers moved over the TP group since the previous step, counted
+as the paper counts an all-gather) and `pa_fingerprints` (its replication checks).
+
 What a training loop watches (StepMeter): `loss` (the mean of the losses this rank gave
 engine.backward since the previous step: this rank's micro-batches only; None when backward ran as
 loss.backward()), `lr` (the first param group's learning rate this step used) and `lrs` (every
@@ -110,7 +117,13 @@ def step_stats(engine, applied: bool, meter: dict) -> dict:
         "grad_norm": engine.optim.last_grad_norm,
         "skipped_steps": engine.optim.skipped_steps,
         "world_size": engine.comm.world,
+        "tensor_parallel": engine.tp.degree if engine.tp is not None else 1,
+        "saved_activation_bytes": dict(engine.saved.saved_bytes) if engine.saved.saved_bytes is not None else None,
     }
+    partition = engine.saved.partition
+    if partition is not None:
+        out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints
+        partition.reset_counters()
     engine.comm.reset_counters()
     engine.transfer.reset_counters()
     cache.reset_peak()

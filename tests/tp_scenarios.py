@@ -1,0 +1,152 @@
+"""Scenarios of tests/test_tensor_parallel.py: a Llama from a transformers config, split by
+PyTorch's tensor parallelism over zeroshard.device_mesh(2)["tp"], trained by zeroshard over the
+data-parallel dimension; each rank 0 result compared with single-process PyTorch on the global batch."""
+from __future__ import annotations
+
+import json
+import traceback
+
+import torch
+
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
+
+SCENARIOS = {  # name -> (stage, optimizer, P_a: None / "on" / "cpu", activation checkpointing)
+    "stage0_sgd": (0, "sgd", None, False),
+    "stage1_sgd": (1, "sgd", None, False),
+    "stage2_sgd": (2, "sgd", None, False),
+    "stage3_sgd": (3, "sgd", None, False),
+    "stage3_adamw": (3, "adamw", None, False),
+    "stage2_checkpointed": (2, "sgd", None, True),
+    "stage2_pa": (2, "sgd", "on", True),
+    "stage3_checkpointed": (3, "sgd", None, True),
+    "stage3_pa": (3, "sgd", "on", True),
+    "stage3_pa_cpu": (3, "sgd", "cpu", True),
+    "stage1_pa_cpu_adamw": (1, "adamw", "cpu", True),
+}
+
+
+class TensorParallelTraffic:
+    """Counts the all-reduces DTensor issues (the Megatron side's traffic), in elements as the ZeRO
+    paper counts them: an all-reduce of M elements moves 2M."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                if func.overloadpacket is torch.ops._c10d_functional.all_reduce:
+                    self.count += 1
+                    self.elements += 2 * args[0].numel()
+                return func(*args, **(kwargs or {}))
+        self.mode, self.count, self.elements = Mode(), 0, 0
+
+
+def llama(checkpointing: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg)
+    if checkpointing:  # reentrant: the checkpoints are saved through saved-tensor hooks (README)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return m
+
+
+def tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    col, row = ColwiseParallel, RowwiseParallel
+    return {"self_attn.q_proj": col(), "self_attn.k_proj": col(), "self_attn.v_proj": col(),
+            "self_attn.o_proj": row(), "mlp.gate_proj": col(), "mlp.up_proj": col(), "mlp.down_proj": row()}
+
+
+def make_optimizer(kind):
+    if kind == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1)
+
+
+def data():
+    return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def reference(kind: str) -> dict:
+    m = llama(False)
+    opt = make_optimizer(kind)(list(m.parameters()))
+    for x in data():
+        m(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach() for k, v in m.state_dict().items()}
+
+
+def scenario(name, world):
+    import zeroshard
+    from torch.distributed.tensor.parallel import parallelize_module
+    stage, kind, pa, checkpointing = SCENARIOS[name]
+    mesh = zeroshard.device_mesh(2)
+    m = llama(checkpointing)
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh["tp"], tp_plan())
+    cfg = {"stage": stage, "tensor_parallel": 2, "chunk_size": 5000, "collective_timeout_s": 120,
+           "partition_activations": pa is not None, "offload_activations": pa == "cpu"}
+    engine = zeroshard.initialize(m, make_optimizer(kind), config=cfg)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    per = BATCH // dp
+    figures = {"mp_all_reduces": [], "mp_elements": []}
+    timeline = engine.record_memory(steps=1)
+    for x in data():
+        xb = x[dp_rank * per:(dp_rank + 1) * per]
+        traffic = TensorParallelTraffic()
+        with traffic.mode:
+            engine.backward(engine(xb, labels=xb).loss)
+        engine.step()
+        figures["mp_all_reduces"].append(traffic.count)
+        figures["mp_elements"].append(traffic.elements)
+    stats = engine.stats()
+    full = engine.full_state_dict()
+    ref = reference(kind)
+    figures.update(
+        diff=max((full[k] - ref[k]).abs().max().item() for k in ref), keys_match=sorted(full) == sorted(ref),
+        peak_activations=timeline.peak("activations"), peak_host_activations=timeline.peak("host_activations"),
+        **{k: stats[k] for k in ("comm_elements", "padded_elements", "num_params", "world_size", "tensor_parallel",
+                                 "saved_activation_bytes", "pa_elements", "pa_fingerprints") if k in stats},
+        full_numel=sum(v.numel() for v in ref.values()), local_batch=per, hidden=64, layers=2, seq=SEQ, vocab=VOCAB)
+    return figures
+
+
+def refusals():
+    """What does not take a tensor-parallel model yet raises a named error on every rank."""
+    import zeroshard
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = zeroshard.device_mesh(2)
+    m = llama(False)
+    got = {}
+    try:
+        zeroshard.initialize(m, config={"tensor_parallel": 2})
+    except ValueError as e:
+        got["unsplit"] = str(e)
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh["tp"], tp_plan())
+    engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"tensor_parallel": 2})
+    for what in ("save_checkpoint", "save_pretrained"):
+        try:
+            getattr(engine, what)("/nonexistent/zeroshard-tp")
+        except NotImplementedError as e:
+            got[what] = str(e)
+    return got
+
+
+def run(rank, world, out):
+    results = {}
+    for name in SCENARIOS:
+        try:
+            results[name] = scenario(name, world)
+        except Exception as e:  # noqa: BLE001 -- reported by the test of that scenario
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    try:
+        results["refusals"] = refusals()
+    except Exception as e:  # noqa: BLE001
+        results["refusals"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)

@@ -1,0 +1,217 @@
+"""Tensor parallelism beside ZeRO: zeroshard over a 2D device mesh, and ZeRO-R's partitioned
+activation checkpoints (P_a, P_a+cpu).
+
+Vocabulary:
+- mesh: a 2D DeviceMesh with dimensions ("dp", "tp") (`device_mesh`). The model is split with
+  PyTorch's tensor parallelism (`parallelize_module` over mesh["tp"]); zeroshard's chunks,
+  reductions and gathers all run over mesh["dp"], so the ZeRO paper's volumes hold per
+  data-parallel group, for 1/MP of the model.
+- local shard: what this rank holds of a DTensor parameter (its `_local_tensor`). Chunks pack local
+  shards as they pack plain parameters; the parameter stays the DTensor the model computes with,
+  its local tensor a view into the chunk (`set_local`), as FSDP2 rebinds its sharded parameters.
+- replicated parameter: a plain tensor parameter (not split by the plan). Every rank of a TP group
+  holds all of it and, since the activations it meets are the same on each, computes the same
+  gradient, so ZeRO's reduction over the data-parallel group is all it needs. Its initial value is
+  TP rank 0's (`TensorParallel.sync_replicated`), so the replicas start equal.
+- P_a: an activation saved for backward that every rank of the TP group holds alike (with
+  activation checkpointing: the checkpoints, the blocks' inputs) is kept 1/MP per rank and
+  all-gathered over the TP group when backward needs it; with offload_activations the part waits
+  in host memory (P_a+cpu).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .collectives import Comm, init_process_group
+from .hardware import default_device
+from .offload import Pending, Transfer
+
+_meshes: dict[tuple[str, int], DeviceMesh] = {}
+
+
+def device_mesh(tensor_parallel: int, device: torch.device | None = None) -> DeviceMesh:
+    """Collective: the ("dp", "tp") mesh over all ranks, `tensor_parallel` ranks per TP group
+    (consecutive ranks, so a TP group stays inside a node), the rest data-parallel. Apply
+    `parallelize_module(model, mesh["tp"], plan)` with it, then `zeroshard.initialize(model,
+    config={"tensor_parallel": N, ...})`, which finds the same mesh. Made once per process."""
+    device = device or default_device()
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"zeroshard: tensor_parallel={tensor_parallel!r}: give the number of ranks per TP group")
+    init_process_group(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % tensor_parallel:
+        raise ValueError(f"zeroshard: tensor_parallel={tensor_parallel} does not divide the world of {world} ranks")
+    key = (device.type, tensor_parallel)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device.type, (world // tensor_parallel, tensor_parallel),
+                                        mesh_dim_names=("dp", "tp"))
+    return _meshes[key]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local tensor, a plain tensor itself (no autograd)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of what this rank stores of `p` (what its chunk slot holds)."""
+    return local(p).shape
+
+
+def set_local(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Make `value` what `p` holds on this rank (a plain parameter's data; a DTensor parameter's
+    local tensor), keeping `p` the same object: optimizers, hooks and tied modules keep it."""
+    if not isinstance(p, DTensor):
+        p.data = value
+        return
+    if value.dtype != p.dtype:  # DTensor ops take the dtype from the wrapper and its spec
+        like = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+        p.data = like
+        p._spec = like._spec
+    p._local_tensor = value
+
+
+def local_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `grad`, laid out as p's local shard (a gradient whose placements differ
+    from the parameter's, a Partial sum say, is redistributed first: a TP collective)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad.to_local()
+
+
+class TensorParallel:
+    """The engine's side of tensor parallelism: the mesh, the groups, and the checks that the model
+    was split over that mesh."""
+
+    def __init__(self, module: nn.Module, degree: int, device: torch.device):
+        self.degree = degree
+        self.mesh = device_mesh(degree, device)
+        tp_mesh = self.mesh["tp"]
+        self.dp_group = self.mesh["dp"].get_group()
+        self.group = tp_mesh.get_group()
+        self.rank = tp_mesh.get_local_rank()
+        self.comm = Comm(device, group=self.group)  # P_a's all-gathers, counted apart from ZeRO's
+        split = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
+        if not split:
+            raise ValueError(f"zeroshard: tensor_parallel={degree} but no parameter of the model is a DTensor: "
+                             "split it first with parallelize_module(model, zeroshard.device_mesh"
+                             f"({degree})['tp'], plan)")
+        for name, p in split:
+            if p.device_mesh != tp_mesh:
+                raise ValueError(f"zeroshard: parameter {name} is split over {p.device_mesh}, not over "
+                                 f"zeroshard.device_mesh({degree})['tp'] ({tp_mesh}): zeroshard would shard it over "
+                                 "the wrong data-parallel group")
+
+    @torch.no_grad()
+    def sync_replicated(self, params: list[nn.Parameter]) -> None:
+        """Collective over the TP group: every replicated parameter takes TP rank 0's value."""
+        for p in params:
+            if not isinstance(p, DTensor):
+                self.comm.broadcast(p.data, src=0)
+
+    def full_tensor(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Collective over the TP group for a DTensor `p`: the whole tensor whose local part on
+        this rank is `value` (`value` itself for a replicated parameter)."""
+        if not isinstance(p, DTensor):
+            return value
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
+
+
+class Partitioned:
+    """A saved activation kept 1/MP on this rank: `piece` (a host Pending with P_a+cpu) is this
+    rank's 1/MP of the flattened tensor, zero-padded to equal parts."""
+    __slots__ = ("piece", "shape", "numel", "__weakref__")
+
+    def __init__(self, piece, shape: torch.Size, numel: int):
+        self.piece, self.shape, self.numel = piece, shape, numel
+
+
+_WEIGHTS = 61  # period of the position weights of the fingerprint
+
+
+class PartitionedActivations:
+    """ZeRO-R's P_a over the TP group of `comm`. Which saved tensors every TP rank holds alike is
+    not something the model declares, so each floating one is compared by a fingerprint (its
+    length, sum and position-weighted sum, all-gathered: 24 bytes per rank): the alike ones are
+    partitioned, the others (a shard of a split activation) kept whole. Every TP rank packs the
+    same tensors in the same order (they run the same model on the same batch), so the fingerprint
+    collectives pair up. `min_numel`: alike tensors smaller than this (elements) are kept whole."""
+
+    def __init__(self, comm: Comm, transfer: Transfer, to_host: bool, min_numel: int = 1024):
+        self.comm, self.transfer, self.to_host, self.min_numel = comm, transfer, to_host, min_numel
+        self.fingerprints = 0  # fingerprint collectives since the last reset_counters
+        self._weights: torch.Tensor | None = None
+        # A tensor saved by several operations (a block's input: by the norm, the residual add and
+        # the checkpoint) is partitioned once: tensor -> (its version then, Partitioned or None).
+        # Weak keys: holding the tensors would keep the activations P_a means to free. Every TP
+        # rank sees the same repeats, so the skipped fingerprint collectives stay paired.
+        self._seen = WeakTensorKeyDictionary()
+
+    def begin_forward(self) -> None:
+        self._seen = WeakTensorKeyDictionary()
+
+    def reset_counters(self) -> None:
+        self.fingerprints = 0
+        self.comm.reset_counters()
+
+    @torch.no_grad()
+    def _fingerprint(self, t: torch.Tensor) -> torch.Tensor:
+        flat = t.detach().reshape(-1).double()
+        n = flat.numel()
+        if self._weights is None or self._weights.device != t.device:
+            self._weights = torch.arange(1, _WEIGHTS + 1, dtype=torch.float64, device=t.device)
+        rows = F.pad(flat, (0, -n % _WEIGHTS)).view(-1, _WEIGHTS)
+        return torch.stack([torch.tensor(float(n), dtype=torch.float64, device=t.device), flat.sum(),
+                            (rows @ self._weights).sum()])
+
+    def alike(self, t: torch.Tensor) -> bool:
+        """Collective over the TP group: whether every TP rank saved the same values."""
+        mine = self._fingerprint(t).to(self.comm.control_device)
+        every = torch.empty(mine.numel() * self.comm.world, dtype=mine.dtype, device=mine.device)
+        self.comm.counting = False
+        try:
+            self.comm.all_gather(every, mine)
+        finally:
+            self.comm.counting = True
+        self.fingerprints += 1
+        every = every.view(self.comm.world, -1)
+        return bool((every == every[0]).all())
+
+    @torch.no_grad()
+    def pack(self, t: torch.Tensor) -> Partitioned | None:
+        """Partitioned, or None: keep `t` as it is. Only plain floating tensors on the device
+        reach here (the caller leaves model states, DTensors and others alone)."""
+        seen = self._seen.get(t)
+        if seen is not None and seen[0] == t._version:
+            return seen[1]
+        part = self._partition(t) if self.alike(t) and t.numel() >= self.min_numel else None
+        self._seen[t] = (t._version, part)
+        return part
+
+    def _partition(self, t: torch.Tensor) -> Partitioned:
+        n, world = t.numel(), self.comm.world
+        part = math.ceil(n / world)
+        lo, hi = min(n, self.comm.rank * part), min(n, (self.comm.rank + 1) * part)
+        piece = torch.zeros(part, dtype=t.dtype, device=t.device)
+        piece[:hi - lo].copy_(t.detach().reshape(-1)[lo:hi])
+        return Partitioned(self.transfer.to_host(piece) if self.to_host else piece, t.shape, n)
+
+    @torch.no_grad()
+    def unpack(self, p: Partitioned) -> torch.Tensor:
+        """Collective over the TP group: the whole tensor again."""
+        piece = self.transfer.to_device(p.piece.tensor).wait() if isinstance(p.piece, Pending) else p.piece
+        full = torch.empty(piece.numel() * self.comm.world, dtype=piece.dtype, device=piece.device)
+        self.comm.all_gather(full, piece)
+        return full[:p.numel].view(p.shape)
