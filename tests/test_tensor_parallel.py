@@ -78,5 +78,17 @@ def test_what_does_not_take_tensor_parallel_models_raises_a_named_error(res):
     results, _ = res
     got = ok(results, "refusals")
     assert "no parameter of the model is a DTensor" in got["unsplit"]
-    for what in ("save_checkpoint", "save_pretrained"):
+    for what in ("save_pretrained", "load_state_dict"):
         assert f"{what} does not take tensor-parallel models yet" in got[what]
+    assert "holds no checkpoint of tensor parallelism 2" in got["load_checkpoint"]
+
+
+def test_a_checkpoint_resumes_the_same_training(res):
+    """Saved at stage 3 after step 1, loaded into a new stage-1 engine: steps 2-3 then give the
+    single-process model (momentum restored); each TP rank's shards in a directory of its own."""
+    results, _ = res
+    got = ok(results, "resume")
+    assert got["diff"] <= 1e-5, got["diff"]
+    assert got["client"] == {"step": 1}
+    assert got["layout"] == ["tp0-of-2", "tp1-of-2"]
+    assert "/tp0-of-2/step1" in got["path"]

@@ -114,7 +114,35 @@ def scenario(name, world):
     return figures
 
 
-def refusals():
+def resume(directory):
+    """Save after step 1 at stage 3, resume in a new engine at stage 1 (another layout of the
+    same local shards), train steps 2-3: the reference's model, momentum included."""
+    import zeroshard
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = zeroshard.device_mesh(2)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    per = BATCH // dp
+    xs = [x[dp_rank * per:(dp_rank + 1) * per] for x in data()]
+    paths = []
+    for stage, steps in ((3, xs[:1]), (1, xs[1:])):
+        m = llama(False)
+        for layer in m.model.layers:
+            parallelize_module(layer, mesh["tp"], tp_plan())
+        engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"stage": stage, "tensor_parallel": 2})
+        if stage == 1:
+            client = engine.load_checkpoint(directory)
+        for xb in steps:
+            engine.backward(engine(xb, labels=xb).loss)
+            engine.step()
+        if stage == 3:
+            paths.append(engine.save_checkpoint(directory, client_state={"step": 1}))
+    full, ref = engine.full_state_dict(), reference("sgd")
+    import os
+    return {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "client": client,
+            "layout": sorted(os.listdir(directory)), "path": paths[0]}
+
+
+def refusals(directory):
     """What does not take a tensor-parallel model yet raises a named error on every rank."""
     import zeroshard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -128,11 +156,19 @@ def refusals():
     for layer in m.model.layers:
         parallelize_module(layer, mesh["tp"], tp_plan())
     engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"tensor_parallel": 2})
-    for what in ("save_checkpoint", "save_pretrained"):
+    try:
+        engine.load_checkpoint(directory)
+    except zeroshard.CheckpointError as e:
+        got["load_checkpoint"] = str(e)
+    for what in ("save_pretrained",):
         try:
             getattr(engine, what)("/nonexistent/zeroshard-tp")
         except NotImplementedError as e:
             got[what] = str(e)
+    try:  # the whole tensors of a plain state dict: must not be dropped where a local shard stands
+        m.load_state_dict(llama(False).state_dict())
+    except NotImplementedError as e:
+        got["load_state_dict"] = str(e)
     return got
 
 
@@ -143,8 +179,14 @@ def run(rank, world, out):
             results[name] = scenario(name, world)
         except Exception as e:  # noqa: BLE001 -- reported by the test of that scenario
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    import os
     try:
-        results["refusals"] = refusals()
+        results["resume"] = resume(os.path.join(os.path.dirname(out), "checkpoints"))
+    except Exception as e:  # noqa: BLE001
+        results["resume"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    try:
+        os.makedirs(os.path.join(os.path.dirname(out), "empty"), exist_ok=True)
+        results["refusals"] = refusals(os.path.join(os.path.dirname(out), "empty"))
     except Exception as e:  # noqa: BLE001
         results["refusals"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     if rank == 0:

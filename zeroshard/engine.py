@@ -348,6 +348,7 @@ class Engine:
             return False
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: load_state_dict called while the engine is in {self.phase.value}")
+        self._whole_model_only("load_state_dict")  # its whole tensors would not fit the local shards
         self.apply_delayed_update()
         if self.stage == 3:
             self.cache.flush()
@@ -428,20 +429,24 @@ class Engine:
         """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),
         as checkpoint `tag` (default `step<N>`) in directory `root`, atomically; saving to an
         existing tag writes a new version, which readers see whole or not at all (checkpoint.py).
+        With tensor parallelism, each TP rank's local shards go to root/tp<r>-of-<N>.
         `keep`: then remove all but the newest `keep` checkpoints in root. Call it after step():
         gradients accumulated since the last step would not be in it, so it raises CheckpointError
         then, unless `omit_pending_grads` (the state as of the last step is saved and the gradients
         stay in memory, as Lightning's checkpoints mid-window do). Returns the checkpoint's path."""
         from .checkpoint import save
-        self._whole_model_only("save_checkpoint")
+        if self.tp is not None:  # each TP rank's data-parallel group saves its local shards apart
+            root = self.tp.checkpoint_root(root)
         return save(self, root, tag, client_state, keep, omit_pending_grads)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
         """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
         checking its files, model and optimizer (CheckpointError before anything changes otherwise).
-        Returns the saved `client_state` ({} if none)."""
+        With tensor parallelism, a checkpoint of the same TP degree (any data-parallel size, stage
+        or chunk size). Returns the saved `client_state` ({} if none)."""
         from .checkpoint import load
-        self._whole_model_only("load_checkpoint")
+        if self.tp is not None:
+            path = self.tp.checkpoint_path(path)
         return load(self, path, tag, load_optimizer)
 
     @contextlib.contextmanager

@@ -21,6 +21,8 @@ Vocabulary:
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -127,6 +129,26 @@ class TensorParallel:
             return value
         return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride()).full_tensor()
+
+
+    def checkpoint_root(self, root) -> str:
+        """Where this TP rank's data-parallel group keeps its checkpoints under `root`: each group
+        saves its own local shards, an ordinary zeroshard checkpoint of 1/MP of the model."""
+        return os.path.join(os.fspath(root), f"tp{self.rank}-of-{self.degree}")
+
+    def checkpoint_path(self, path) -> str:
+        """This TP rank's part of a checkpoint: `path` is a root that save_checkpoint wrote
+        tensor-parallel checkpoints to, or a checkpoint directory inside one (any TP rank's)."""
+        from .checkpoint import CheckpointError
+        path = os.path.abspath(os.fspath(path))
+        mine = f"tp{self.rank}-of-{self.degree}"
+        if os.path.isdir(os.path.join(path, mine)):
+            return os.path.join(path, mine)
+        parent = os.path.basename(os.path.dirname(path))
+        if re.fullmatch(rf"tp\d+-of-{self.degree}", parent):
+            return os.path.join(os.path.dirname(os.path.dirname(path)), mine, os.path.basename(path))
+        raise CheckpointError(f"zeroshard: {path} holds no checkpoint of tensor parallelism {self.degree} (no {mine}/ "
+                              "in it): a tensor-parallel model resumes from a checkpoint of the same TP degree")
 
 
 class Partitioned:
