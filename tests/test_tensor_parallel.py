@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import WorldResults, ok
+from distributed import WorldResults, ok, spawn
 from models import ADAMW_TOL
-from tp_scenarios import SCENARIOS, run
+from tp_scenarios import SCENARIOS, resume_across_worlds, run
 
 pytest.importorskip("transformers")
 
@@ -92,3 +92,12 @@ def test_a_checkpoint_resumes_the_same_training(res):
     assert got["client"] == {"step": 1}
     assert got["layout"] == ["tp0-of-2", "tp1-of-2"]
     assert "/tp0-of-2/step1" in got["path"]
+
+
+def test_a_checkpoint_resumes_at_another_data_parallel_size(tmp_path):
+    """Saved at TP 2 x DP 2 (stage 2), resumed at TP 2 x DP 1 (stage 3): the reference's model."""
+    import json
+    spawn(4, resume_across_worlds, str(tmp_path / "ckpt"), str(tmp_path / "unused.json"))
+    spawn(2, resume_across_worlds, str(tmp_path / "ckpt"), str(tmp_path / "out.json"))
+    diff = json.loads((tmp_path / "out.json").read_text())["diff"]
+    assert diff <= 1e-5, diff

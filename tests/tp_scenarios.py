@@ -192,3 +192,32 @@ def run(rank, world, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+
+
+def resume_across_worlds(rank, world, directory, out):
+    """World 4 (TP 2 x DP 2): step 1 at stage 2, saved. World 2 (TP 2 x DP 1): loaded at stage 3,
+    steps 2-3; rank 0 writes the difference from the reference."""
+    import zeroshard
+    from torch.distributed.tensor.parallel import parallelize_module
+    mesh = zeroshard.device_mesh(2)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    per = BATCH // dp
+    m = llama(False)
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh["tp"], tp_plan())
+    engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"stage": 2 if world == 4 else 3,
+                                                                     "tensor_parallel": 2})
+    steps = data()[:1] if world == 4 else data()[1:]
+    if world == 2:
+        engine.load_checkpoint(directory)
+    for x in steps:
+        xb = x[dp_rank * per:(dp_rank + 1) * per]
+        engine.backward(engine(xb, labels=xb).loss)
+        engine.step()
+    if world == 4:
+        engine.save_checkpoint(directory)
+    else:
+        full, ref = engine.full_state_dict(), reference("sgd")
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump({"diff": max((full[k] - ref[k]).abs().max().item() for k in ref)}, f)
