@@ -355,7 +355,7 @@ class Engine:
         return True
 
     def _whole_model_only(self, what: str) -> None:
-        if self.tp is not None:  # each TP group would write (or read) the same files with its own shards
+        if self.tp is not None:  # whole tensors (files, state dicts) are not yet mapped onto local shards
             raise NotImplementedError(f"zeroshard: {what} does not take tensor-parallel models yet; "
                                       "full_state_dict() gives the whole model on every rank")
 
