@@ -87,8 +87,6 @@ def test_what_does_not_take_tensor_parallel_models_raises_a_named_error(res):
     results, _ = res
     got = ok(results, "refusals")
     assert "no parameter of the model is a DTensor" in got["unsplit"]
-    for what in ("save_pretrained", "load_state_dict"):
-        assert f"{what} does not take tensor-parallel models yet" in got[what]
     assert "holds no checkpoint of tensor parallelism 2" in got["load_checkpoint"]
 
 
@@ -110,3 +108,40 @@ def test_a_checkpoint_resumes_at_another_data_parallel_size(tmp_path_factory):
     assert "saved" in ok(_results.get(4, tmp_path_factory), "across")  # the saving run first
     got = ok(_results.get(2, tmp_path_factory), "across")
     assert got["diff"] <= 1e-5, got["diff"]
+
+
+def test_auto_plans_the_split_model(res):
+    """offload/stage 'auto' under TP: the profile is one rank's part of the split model (its local
+    shards, its flops, Megatron's all-reduces: 7 per block, each of a b x s x h activation, ring
+    accounting 2M(n-1)/n bytes); at a generous cap nothing is offloaded, at a cap ZeRO-3 alone
+    exceeds optimizer states go to the host; both train the single-process model, and the plan's
+    device bytes are what stats() then counts."""
+    results, world = res
+    got = ok(results, "auto")
+    prof = got["profile"]
+    assert prof["numel"] < 0.6 * prof["whole_numel"] and prof["flops"] < 0.6 * prof["whole_flops"]
+    per = 4 // (world // 2)
+    assert prof["whole_collectives"] == 0 and prof["collectives"] == 7 * 2
+    assert prof["collective_bytes"] == 14 * 2 * (per * 16 * 64 * 4) // 2
+    generous, tight = got["generous"], got["tight"]
+    for cap in (generous, tight):
+        assert cap["fits"] and cap["diff"] <= 1e-5, cap
+        assert cap["tp_seconds"] > 0
+        assert abs(cap["predicted"] - cap["device_model_bytes"]) <= 0.1 * cap["device_model_bytes"], cap
+    assert generous["offloaded_chunks"] == 0 and generous["host_bytes"] == 0
+    assert tight["cap"] * 0.95 < got["zero3_need"]
+    assert tight["offloaded_chunks"] > 0 and tight["host_bytes"] > 0, tight["plan"]
+
+
+def test_the_pretrained_path_of_a_model_never_whole_in_a_process(res):
+    """Built on meta and split, weights read shard by shard (weights=), trained to the reference
+    model; save_pretrained opens in transformers; load_weights and load_state_dict (whole tensors)
+    land in the local shards; a folder of other shapes raises WeightsError and writes nothing; meta
+    initialisation gives the unsplit model's values (each tensor from its name and the seed)."""
+    results, world = res
+    got = ok(results, "pretrained")
+    assert got["trained"] <= 1e-5 and got["saved"] <= 1e-5, got
+    assert len(got["files"]) > 1, got["files"]  # several files, shared out over every rank
+    assert got["load_weights"] == 0 and got["load_state_dict"] == 0 and got["after_refusal"] == 0
+    assert "size mismatch for model.layers.0.mlp.gate_proj.weight" in got["other_shapes"]
+    assert got["meta_keys_match"] and got["meta_init"] == 0

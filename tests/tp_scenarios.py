@@ -4,6 +4,7 @@ data-parallel dimension; each rank 0 result compared with single-process PyTorch
 from __future__ import annotations
 
 import json
+import os
 import traceback
 
 import torch
@@ -81,12 +82,9 @@ def reference(kind: str) -> dict:
 
 def scenario(name, world):
     import zeroshard
-    from torch.distributed.tensor.parallel import parallelize_module
     stage, kind, pa, checkpointing = SCENARIOS[name]
     mesh = zeroshard.device_mesh(2)
-    m = llama(checkpointing)
-    for layer in m.model.layers:
-        parallelize_module(layer, mesh["tp"], tp_plan())
+    m = split_llama(mesh, checkpointing)
     cfg = {"stage": stage, "tensor_parallel": 2, "chunk_size": 5000, "collective_timeout_s": 120,
            "partition_activations": pa is not None, "offload_activations": pa == "cpu"}
     engine = zeroshard.initialize(m, make_optimizer(kind), config=cfg)
@@ -114,20 +112,134 @@ def scenario(name, world):
     return figures
 
 
+def split(m, mesh):
+    """`m` split by PyTorch's tensor parallelism: each block by tp_plan over mesh["tp"]."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    for layer in m.model.layers:
+        parallelize_module(layer, mesh["tp"], tp_plan())
+    return m
+
+
+def split_llama(mesh, checkpointing=False):
+    return split(llama(checkpointing), mesh)
+
+
+def auto(world):
+    """offload/stage 'auto' on the split model: the profile is this rank's part (its local shards,
+    flops and TP all-reduces); planned at a generous cap and at a cap that ZeRO-3 without offload
+    exceeds, each trains the single-process model."""
+    import zeroshard
+    from zeroshard.hardware import default_device, probe
+    from zeroshard.planner import FRAGMENTATION, Planner, Target, optimizer_state_bytes
+    mesh = zeroshard.device_mesh(2)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    per = BATCH // dp
+    x = data()[0][:per]
+    example = {"input_ids": x, "labels": x}
+    prof = zeroshard.profile(split_llama(mesh), example)
+    whole = zeroshard.profile(llama(False), example)
+    hw = probe(default_device())
+
+    def planner(cap):
+        return Planner(prof, Target(hw.with_(device_memory=cap), world=dp, tensor_parallel=2,
+                                    optimizer_state_bytes=optimizer_state_bytes(make_optimizer("sgd"))))
+    base = {b.name: b.device_bytes for b in planner(1 << 40).baselines()}
+    caps = {"generous": 1 << 40, "tight": int((base["ZeRO-3"] + base["ZeRO-3 offload"]) / 2 / FRAGMENTATION)}
+    out = {"profile": {"numel": prof.numel, "flops": prof.flops, "collectives": prof.collectives,
+                       "collective_bytes": prof.collective_bytes, "whole_numel": whole.numel,
+                       "whole_flops": whole.flops, "whole_collectives": whole.collectives},
+           "zero3_need": {b.name: b.device_bytes for b in planner(caps["tight"]).baselines()}["ZeRO-3"] / FRAGMENTATION}
+    ref = reference("sgd")
+    for name, cap in caps.items():
+        engine = zeroshard.initialize(split_llama(mesh), make_optimizer("sgd"), example_inputs=example,
+                                      config={"stage": "auto", "offload": "auto", "device_memory": cap,
+                                              "tensor_parallel": 2, "collective_timeout_s": 120})
+        for xs in data():
+            xb = xs[dp_rank * per:(dp_rank + 1) * per]
+            engine.backward(engine(xb, labels=xb).loss)
+            engine.step()
+        full, stats, plan = engine.full_state_dict(), engine.stats(), engine.plan
+        out[name] = {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "cap": cap,
+                     "plan": plan.describe(), "fits": plan.fits, "offloaded_chunks": plan.offloaded_chunks,
+                     "tp_seconds": plan.time.model_collectives, "predicted": plan.device_model_bytes,
+                     "device_model_bytes": stats["device_model_bytes"],
+                     "host_bytes": stats["model_state_bytes_by_device"]["host"]}
+    return out
+
+
+def meta_split_llama(mesh):
+    """The test Llama built on the meta device (no storage), then split: as a model no process
+    could hold is made."""
+    from transformers import LlamaForCausalLM
+    cfg = llama(False).config
+    with torch.device("meta"):
+        m = LlamaForCausalLM(cfg)
+    return split(m, mesh)
+
+
+def pretrained(world, directory):
+    """The pretrained path of a split model that is never whole in a process: built on meta and split,
+    its weights read shard by shard from a transformers folder (weights=), trained, saved with
+    save_pretrained (several files, written by every rank), opened by transformers; then
+    load_weights and load_state_dict back into the split engine, a folder of other shapes refused
+    on every rank, and meta initialisation giving the values it gives an unsplit model."""
+    import torch.distributed as dist
+    import zeroshard
+    from transformers import LlamaConfig, LlamaForCausalLM
+    mesh = zeroshard.device_mesh(2)
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    per = BATCH // dp
+    ref_dir, out_dir, other_dir = (os.path.join(directory, n) for n in ("ref", "out", "other"))
+    if dist.get_rank() == 0:
+        llama(False).save_pretrained(ref_dir)
+        cfg = LlamaConfig(**{**llama(False).config.to_dict(), "intermediate_size": 96})
+        LlamaForCausalLM(cfg).save_pretrained(other_dir)
+    dist.barrier()
+    stage = 2 if world == 4 else 3
+    m = meta_split_llama(mesh)
+    engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"stage": stage, "tensor_parallel": 2},
+                                  weights=ref_dir)
+    for x in data():
+        xb = x[dp_rank * per:(dp_rank + 1) * per]
+        engine.backward(engine(xb, labels=xb).loss)
+        engine.step()
+    ref, start = reference("sgd"), llama(False).state_dict()
+    diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in b)  # noqa: E731
+    out = {"stage": stage, "trained": diff(engine.full_state_dict(), ref)}
+    engine.save_pretrained(out_dir, max_shard_size=100_000)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        out["files"] = sorted(n for n in os.listdir(out_dir) if n.endswith(".safetensors"))
+        out["saved"] = diff(LlamaForCausalLM.from_pretrained(out_dir).state_dict(), ref)
+    engine.load_weights(ref_dir)
+    out["load_weights"] = diff(engine.full_state_dict(), start)
+    m.load_state_dict(ref)
+    out["load_state_dict"] = diff(engine.full_state_dict(), ref)
+    try:
+        engine.load_weights(other_dir)
+    except zeroshard.WeightsError as e:
+        out["other_shapes"] = str(e)
+    out["after_refusal"] = diff(engine.full_state_dict(), ref)  # nothing written
+    split = zeroshard.initialize(meta_split_llama(mesh), make_optimizer("sgd"), config={"stage": 3, "tensor_parallel": 2})
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(llama(False).config)
+    unsplit = zeroshard.initialize(whole, make_optimizer("sgd"), config={"stage": 0})
+    a, b = split.full_state_dict(), unsplit.full_state_dict()
+    out["meta_keys_match"], out["meta_init"] = sorted(a) == sorted(b), diff(a, b)
+    return out
+
+
 def resume(directory):
     """Save after step 1 at stage 3, resume in a new engine at stage 1 (another layout of the
     same local shards), train steps 2-3: the reference's model, momentum included."""
     import zeroshard
-    from torch.distributed.tensor.parallel import parallelize_module
     mesh = zeroshard.device_mesh(2)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp
     xs = [x[dp_rank * per:(dp_rank + 1) * per] for x in data()]
     paths = []
     for stage, steps in ((3, xs[:1]), (1, xs[1:])):
-        m = llama(False)
-        for layer in m.model.layers:
-            parallelize_module(layer, mesh["tp"], tp_plan())
+        m = split_llama(mesh)
         engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"stage": stage, "tensor_parallel": 2})
         if stage == 1:
             client = engine.load_checkpoint(directory)
@@ -137,7 +249,6 @@ def resume(directory):
         if stage == 3:
             paths.append(engine.save_checkpoint(directory, client_state={"step": 1}))
     full, ref = engine.full_state_dict(), reference("sgd")
-    import os
     return {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "client": client,
             "layout": sorted(os.listdir(directory)), "path": paths[0]}
 
@@ -145,7 +256,6 @@ def resume(directory):
 def refusals(directory):
     """What does not take a tensor-parallel model yet raises a named error on every rank."""
     import zeroshard
-    from torch.distributed.tensor.parallel import parallelize_module
     mesh = zeroshard.device_mesh(2)
     m = llama(False)
     got = {}
@@ -153,22 +263,12 @@ def refusals(directory):
         zeroshard.initialize(m, config={"tensor_parallel": 2})
     except ValueError as e:
         got["unsplit"] = str(e)
-    for layer in m.model.layers:
-        parallelize_module(layer, mesh["tp"], tp_plan())
+    split(m, mesh)
     engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"tensor_parallel": 2})
     try:
         engine.load_checkpoint(directory)
     except zeroshard.CheckpointError as e:
         got["load_checkpoint"] = str(e)
-    for what in ("save_pretrained",):
-        try:
-            getattr(engine, what)("/nonexistent/zeroshard-tp")
-        except NotImplementedError as e:
-            got[what] = str(e)
-    try:  # the whole tensors of a plain state dict: must not be dropped where a local shard stands
-        m.load_state_dict(llama(False).state_dict())
-    except NotImplementedError as e:
-        got["load_state_dict"] = str(e)
     return got
 
 
@@ -179,11 +279,18 @@ def run(rank, world, out):
             results[name] = scenario(name, world)
         except Exception as e:  # noqa: BLE001 -- reported by the test of that scenario
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    import os
     try:
         results["resume"] = resume(os.path.join(os.path.dirname(out), "checkpoints"))
     except Exception as e:  # noqa: BLE001
         results["resume"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    try:
+        results["pretrained"] = pretrained(world, os.path.join(os.path.dirname(out), "pretrained"))
+    except Exception as e:  # noqa: BLE001
+        results["pretrained"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    try:
+        results["auto"] = auto(world)
+    except Exception as e:  # noqa: BLE001
+        results["auto"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     try:  # the test sets the directory the world-4 run saves to and the world-2 run loads from
         results["across"] = across(world, os.environ["ZEROSHARD_TP_ACROSS"])
     except Exception as e:  # noqa: BLE001
@@ -202,13 +309,10 @@ def across(world, directory):
     """World 4 (TP 2 x DP 2): step 1 at stage 2, saved to `directory`. World 2 (TP 2 x DP 1): that
     checkpoint loaded at stage 3, steps 2-3, compared with the reference."""
     import zeroshard
-    from torch.distributed.tensor.parallel import parallelize_module
     mesh = zeroshard.device_mesh(2)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp
-    m = llama(False)
-    for layer in m.model.layers:
-        parallelize_module(layer, mesh["tp"], tp_plan())
+    m = split_llama(mesh)
     engine = zeroshard.initialize(m, make_optimizer("sgd"), config={"stage": 2 if world == 4 else 3,
                                                                      "tensor_parallel": 2})
     if world == 2:

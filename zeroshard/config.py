@@ -222,9 +222,6 @@ class Config:
         if self.partition_activations and self.tensor_parallel == 1:
             raise ValueError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
                              "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")
-        if self.tensor_parallel > 1 and self.planned:
-            raise ValueError("zeroshard config: offload/stage 'auto' does not plan tensor-parallel models yet; set "
-                             "the stage (and offload_*) yourself (`zeroshard estimate --tp` sizes them)")
         if self.offload_params and self.stage != 3:
             raise ValueError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")

@@ -65,16 +65,13 @@ class Engine:
         init_process_group(self.device, config.collective_timeout_s)
         self.tp = None  # the tensor-parallel side (tensor_parallel.py); ZeRO runs over its "dp" group
         if config.tensor_parallel > 1:
-            if weights is not None or init_fn is not None:
-                raise ValueError("zeroshard: weights= and init_fn= do not take tensor-parallel models yet: build "
-                                 "the model with its weights, then parallelize_module it")
             self.tp = TensorParallel(module, config.tensor_parallel, self.device)
         self.comm = Comm(self.device, group=self.tp.dp_group if self.tp else None)
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
         if config.planned:
             self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
-                                                self.comm)
+                                                self.comm, self.tp.broadcast_object if self.tp else None)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
@@ -348,16 +345,10 @@ class Engine:
             return False
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: load_state_dict called while the engine is in {self.phase.value}")
-        self._whole_model_only("load_state_dict")  # its whole tensors would not fit the local shards
         self.apply_delayed_update()
         if self.stage == 3:
             self.cache.flush()
         return True
-
-    def _whole_model_only(self, what: str) -> None:
-        if self.tp is not None:  # whole tensors (files, state dicts) are not yet mapped onto local shards
-            raise NotImplementedError(f"zeroshard: {what} does not take tensor-parallel models yet; "
-                                      "full_state_dict() gives the whole model on every rank")
 
     def _settle(self) -> None:
         """Wait for every chunk still arriving (ArrivalHooks)."""
@@ -401,7 +392,6 @@ class Engine:
         shape mismatch, raises WeightsError on every rank before anything is written. Optimizer state
         is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
         from .pretrained import load_weights
-        self._whole_model_only("load_weights")
         if not self._before_load():
             raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
         return load_weights(self, path, strict)
@@ -416,7 +406,6 @@ class Engine:
         `submodule`: write only that submodule (e.g. "model", the transformers model inside a
         LightningModule), its keys without the prefix, with its config. Returns the folder."""
         from .pretrained import save_pretrained
-        self._whole_model_only("save_pretrained")
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
         self.apply_delayed_update()

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .pretrained import WeightFiles, WeightsError, agree, match
-from .tensor_parallel import local
+from .tensor_parallel import as_dtensor, local, region, shard_of
 
 log = logging.getLogger("zeroshard")
 
@@ -184,7 +184,7 @@ class MetaInit:
         v = self.value(slot.name, slot.param)
         if v is None:
             return torch.zeros(hi - lo)
-        return v.reshape(-1)[lo:hi]
+        return shard_of(slot.param, v).reshape(-1)[lo:hi]  # a tensor-parallel parameter: its shard
 
     def materialize_buffers(self) -> None:
         """Give every meta buffer of the root its value, on the host (every rank keeps all buffers)."""
@@ -206,7 +206,9 @@ def leave_meta(params: list[nn.Parameter], device: torch.device) -> None:
     it at its values as for any other parameter."""
     for p in params:
         if p.is_meta:
-            real = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+            empty = torch.empty(0, dtype=p.dtype, device=device)
+            # A tensor-parallel parameter stays a DTensor (its local tensor leaves meta).
+            real = nn.Parameter(empty if p is local(p) else as_dtensor(p, empty), requires_grad=p.requires_grad)
             real.__dict__.update(p.__dict__)  # swap_tensors swaps the Python attributes too
             torch.utils.swap_tensors(p, real)
 
@@ -281,17 +283,17 @@ class InitialValues:
     def fill(self, slot, lo: int, hi: int):
         key = self.source.get(id(slot.param))
         if key is not None:
-            return self._read(key, lo, hi, slot.param.dtype)
+            return self._read(key, lo, hi, slot.param.dtype, region(slot.param))
         if id(slot.param) in self.meta:
             return self.init.fill(slot, lo, hi)
         return local(slot.param).detach().reshape(-1)[lo:hi]
 
-    def _read(self, key: str, lo: int, hi: int, dtype: torch.dtype):
+    def _read(self, key: str, lo: int, hi: int, dtype: torch.dtype, where=None):
         """The file's blocks of [lo, hi), rounded to `dtype`; zeros for the rest of the range if a read
         fails (recorded, and raised on every rank by finish(): a rank alone must not stop here)."""
         done = lo
         try:
-            for block in self.files.blocks(key, lo, hi):
+            for block in self.files.blocks(key, lo, hi, where):
                 done += block.numel()
                 yield block.to(dtype)
         except Exception as e:  # noqa: BLE001

@@ -24,9 +24,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .hooks import Stage3Hooks, direct_params
-from .tensor_parallel import local, set_local
+from .tensor_parallel import as_dtensor, local, local_value, set_local
 
 
 class StateDictLoading:
@@ -59,6 +60,13 @@ class StateDictLoading:
         for name, p in self.real_params(module):
             value = state_dict.get(prefix + name)
             c, s = slot_of[id(p)]
+            if torch.is_tensor(value) and isinstance(p, DTensor):  # a whole tensor or a DTensor
+                value = local_value(p, value)
+                if value is None:  # not this parameter's shape: torch reports it
+                    continue
+                # torch's own copy then meets what it copies into: the module's DTensor, or at
+                # stage 3 a placeholder of the local shape (load_state_dict copied the dict first)
+                state_dict[prefix + name] = value if self.hooks is not None else as_dtensor(p, value)
             if torch.is_tensor(value) and value.shape == s.shape:  # torch itself reports what is not
                 _write(c, s, value)
         if self.hooks is not None:

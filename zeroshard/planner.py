@@ -126,13 +126,15 @@ class Target:
     """What to plan for: the hardware of one device and the job around it."""
 
     hardware: Hardware
-    world: int = 1
+    world: int = 1  # ranks ZeRO shards over (with tensor parallelism: one data-parallel group)
     accumulation: int = 1  # micro-batches per step (the profile is one micro-batch)
     optimizer_state_bytes: int = 8  # per element: Adam's m and v in fp32
+    tensor_parallel: int = 1  # ranks per tensor-parallel group (the profile is one rank's part)
 
     @property
     def ranks_per_host(self) -> int:
-        return max(1, min(self.world, self.hardware.gpus_per_host))
+        """Ranks sharing one host's memory and CPU cores: every data-parallel group's."""
+        return max(1, min(self.world * self.tensor_parallel, self.hardware.gpus_per_host))
 
 
 @dataclass
@@ -143,10 +145,11 @@ class StepTime:
     exposed_transfers: float = 0.0  # collectives and host<->device copies not hidden behind compute
     device_step: float = 0.0
     cpu_step: float = 0.0
+    model_collectives: float = 0.0  # the model's own (tensor parallelism's): they wait on compute, unhidden
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_transfers + self.device_step + self.cpu_step
+        return self.compute + self.exposed_transfers + self.device_step + self.cpu_step + self.model_collectives
 
 
 @dataclass
@@ -217,7 +220,8 @@ class Plan:
                 f"(model states + cache {fmt_bytes(self.device_model_bytes)}, activations "
                 f"{fmt_bytes(self.activation_bytes)}); step {t.total * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + "
                 f"exposed transfers {t.exposed_transfers * 1e3:.1f} + device step {t.device_step * 1e3:.1f} + "
-                f"CPU step {t.cpu_step * 1e3:.1f}")
+                f"CPU step {t.cpu_step * 1e3:.1f}"
+                + (f" + tensor-parallel collectives {t.model_collectives * 1e3:.1f}" if t.model_collectives else ""))
 
 
 def fmt_bytes(n: float) -> str:
@@ -340,7 +344,8 @@ class Planner:
         if stage == 2:
             post += grad_bytes * frac / hw.link
         time = StepTime(compute=compute, exposed_transfers=exposed + post, device_step=dev_el / hw.device_adam,
-                        cpu_step=host_el * t.ranks_per_host / hw.host_adam)
+                        cpu_step=host_el * t.ranks_per_host / hw.host_adam,
+                        model_collectives=self.profile.collective_bytes * t.accumulation / hw.link)
         return Plan(name=name, stage=stage, chunk_size=lay.capacity, cache_chunks=blocks if stage == 3 else None,
                     optimizer_on_host=tuple(bool(x) and lay.trainable[i] for i, x in enumerate(on_host)),
                     waste=lay.waste, device_model_bytes=int(dev + cache), host_model_bytes=int(host),
@@ -476,9 +481,14 @@ def _progress(items, desc: str):
 
 
 # -- the engine's planning glue ------------------------------------------------------------------
-def plan_for(module, example_inputs, make_opt, config, device, comm) -> tuple[Plan, Profile]:
+def plan_for(module, example_inputs, make_opt, config, device, comm, broadcast=None) -> tuple[Plan, Profile]:
     """The engine's planning (offload/stage "auto"): profile, measure and plan on rank 0; every rank
-    gets rank 0's plan, so all build the same chunks even if their measurements would differ."""
+    gets rank 0's plan, so all build the same chunks even if their measurements would differ.
+    `comm`: the ranks ZeRO shards over; `broadcast`: how rank 0's plan reaches every rank (default
+    over `comm`; with tensor parallelism over the whole world, so every TP rank runs the same plan).
+    With tensor parallelism the profile is rank 0's part of the split model (its local shards, its
+    flops, its activations, its TP collectives); P_a is not modelled (activations are not divided
+    by it: an overestimate)."""
     from .hardware import probe
     from .profiler import profile
 
@@ -488,16 +498,17 @@ def plan_for(module, example_inputs, make_opt, config, device, comm) -> tuple[Pl
                          "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
     dtype = config.dtype
     mine = None
-    if comm.rank == 0:
+    if (comm.rank if broadcast is None else torch.distributed.get_rank()) == 0:
         prof = profile(module, example_inputs, dtype=dtype, device=device)
         hw = probe(device, dtype).with_(device_memory=config.device_memory)
         target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
-                        optimizer_state_bytes=optimizer_state_bytes(make_opt))
+                        optimizer_state_bytes=optimizer_state_bytes(make_opt),
+                        tensor_parallel=config.tensor_parallel)
         planner = Planner(prof, target, chunk_size=None if config.chunk_size == "auto" else config.chunk_size)
         stage = config.stage if config.stage != "auto" else "auto"
         best = planner.plan(stage=stage, offload=config.offload == "auto")
         mine = (best, prof, None if best.fits else planner.why_nothing_fits(best))
-    best, prof, why = comm.broadcast_object(mine)
+    best, prof, why = (broadcast or comm.broadcast_object)(mine)
     if why is not None:
         raise RuntimeError(f"zeroshard: {why}")
     return best, prof

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from .export import WEIGHTS, StreamedSafetensors
+from .tensor_parallel import region, whole_shape
 
 log = logging.getLogger("zeroshard")
 
@@ -91,31 +92,37 @@ class WeightFiles:
             except Exception as e:  # noqa: BLE001 -- a missing or damaged file, named
                 raise WeightsError(f"zeroshard: cannot read {name}: {type(e).__name__}: {e}") from e
 
-    def blocks(self, key: str, lo: int, hi: int) -> Iterator[torch.Tensor]:
+    def blocks(self, key: str, lo: int, hi: int, region=None) -> Iterator[torch.Tensor]:
         """Elements [lo, hi) of tensor `key`, flattened, in the file's dtype, as consecutive blocks of
         whole rows of at most READ_BLOCK bytes, each read through a mapping of its own (see the
-        module docstring): a caller that writes each block away holds no more than one."""
+        module docstring): a caller that writes each block away holds no more than one.
+        `region`: (offset, shape) of a block of the tensor (a tensor-parallel shard,
+        tensor_parallel.region); [lo, hi) then count the elements of that block, flattened."""
         from safetensors import safe_open
 
-        name, shape = self.entries[key]
+        name, whole = self.entries[key]
+        offset, shape = region if region is not None else ((0,) * len(whole), whole)
+        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
         dtype = self.dtypes[key]
         row = math.prod(shape[1:]) if shape else 1
         if len(shape) == 0 or row == 0 or hi <= lo:
             with safe_open(name, framework="pt") as f:
-                yield f.get_tensor(key).reshape(-1)[lo:hi].clone()
+                t = f.get_tensor(key)
+                yield (t[(slice(offset[0], offset[0] + shape[0]),) + inner] if region and shape else t) \
+                    .reshape(-1)[lo:hi].clone()
             return
         step = max(1, READ_BLOCK // (row * dtype.itemsize))
         end = -(-hi // row)
         for first in range(lo // row, end, step):
             last = min(end, first + step)
             with safe_open(name, framework="pt") as f:
-                rows = f.get_slice(key)[first:last].reshape(-1)
+                rows = f.get_slice(key)[(slice(offset[0] + first, offset[0] + last),) + inner].reshape(-1)
             a, b = max(lo, first * row), min(hi, last * row)
             yield rows[a - first * row:b - first * row]
 
-    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of tensor `key`, flattened, in the file's dtype."""
-        return torch.cat(list(self.blocks(key, lo, hi)))
+    def read(self, key: str, lo: int, hi: int, region=None) -> torch.Tensor:
+        """Elements [lo, hi) of tensor `key` (of its `region`), flattened, in the file's dtype."""
+        return torch.cat(list(self.blocks(key, lo, hi, region)))
 
     def read_all(self, key: str) -> torch.Tensor:
         shape = self.entries[key][1]
@@ -198,13 +205,15 @@ def agree(comm, problems: list[str], error=WeightsError, what: str = "") -> None
 def load_weights(engine, path, strict: bool = True) -> Match:
     """See Engine.load_weights."""
     problems, m = [], None
+    comm = engine.tp.world_comm if engine.tp else engine.comm  # a rank alone must not stop
     try:
         files = WeightFiles(path)
-        m = match(files, engine.module, engine.state_keys, engine.shapes)
+        shapes = {id(p): whole_shape(p, engine.shapes[id(p)]) for p in engine.params}
+        m = match(files, engine.module, engine.state_keys, shapes)
         problems = m.problems(strict)
     except WeightsError as e:
         problems = [str(e)]
-    agree(engine.comm, problems, what=f"cannot load {os.fspath(path)}:")
+    agree(comm, problems, what=f"cannot load {os.fspath(path)}:")
     failed = []
     try:
         for c in engine.chunks:
@@ -213,17 +222,17 @@ def load_weights(engine, path, strict: bool = True) -> Match:
                 key = m.source.get(id(s.param))
                 a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
                 if key is not None and a < b:
-                    c.write_blocks(s, a, files.blocks(key, a, b))
+                    c.write_blocks(s, a, files.blocks(key, a, b, region(s.param)))
         params = {id(p) for p in engine.params}
         for _, t in engine.state_keys:
             key = m.source.get(id(t))
             if key is not None and id(t) not in params:  # a buffer: every rank keeps all of it
                 t.copy_(files.read_all(key))
     except Exception as e:  # noqa: BLE001 -- raised on every rank below
-        failed.append(f"rank {engine.comm.rank}: {type(e).__name__}: {e}")
-    agree(engine.comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
-                                    "load again or restore a checkpoint):")
-    if engine.comm.rank == 0 and (m.missing or m.unexpected):
+        failed.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
+    agree(comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
+                             "load again or restore a checkpoint):")
+    if comm.rank == 0 and (m.missing or m.unexpected):
         log.warning("loaded %s with %d keys missing (%s) and %d unexpected (%s)", path, len(m.missing),
                     ", ".join(m.missing[:8]), len(m.unexpected), ", ".join(m.unexpected[:8]))
     return m
@@ -250,13 +259,18 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
                     submodule: str = "") -> str:
     """See Engine.save_pretrained."""
     path = os.path.abspath(os.fspath(path))
-    comm, limit = engine.comm, shard_size(max_shard_size)
+    # Every rank holds every value once gathered, so the files are shared out over the whole world.
+    comm, limit = engine.tp.world_comm if engine.tp else engine.comm, shard_size(max_shard_size)
     module = engine.module.get_submodule(submodule)  # AttributeError naming it when there is none
     prefix = submodule + "." if submodule else ""
     key_of = lambda name: name[len(prefix):] if name.startswith(prefix) else None  # noqa: E731
     # Every tensor once, in chunk order (the order values become available), then the buffers.
-    tensors = [(key_of(s.name), dtype or torch.float32, tuple(s.shape)) for c in engine.chunks for s in c.slots
-               if key_of(s.name) is not None]
+    order = [s.name for c in engine.chunks for s in c.slots]
+    if engine.tp is not None:  # TP ranks may pack their shards apart; assembling follows TP rank 0
+        order = engine.tp.comm.broadcast_object(order)
+    slots = {s.name: s for c in engine.chunks for s in c.slots}
+    tensors = [(key_of(n), dtype or torch.float32, whole_shape(slots[n].param, slots[n].shape)) for n in order
+               if key_of(n) is not None]
     params, seen, buffers = {id(p) for p in engine.params}, set(), {}
     for name, t in engine.state_keys:
         key = key_of(name)
@@ -282,26 +296,18 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
             mine[i] = StreamedSafetensors(os.path.join(path, names[i]), files[i])
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
-    total, done, next_report = sum(c.numel for c in engine.chunks), 0, 0.25
-    for c in engine.chunks:
-        comm.counting = False  # not step traffic
-        try:
-            full = engine.layout.full_fp32(c)  # collective, on every rank
-        finally:
-            comm.counting = True
-        for s in c.slots:
-            key = key_of(s.name)
-            out = None if key is None else mine.get(file_of[key])
-            if out is not None and not problems:
-                try:
-                    out.write(key, full[s.offset:s.offset + s.numel].view(s.shape))
-                except Exception as e:  # noqa: BLE001
-                    problems.append(f"rank {comm.rank}: writing {s.name}: {type(e).__name__}: {e}")
-        done += c.numel
-        if comm.rank == 0 and done / total >= next_report:
-            log.info("save_pretrained %s: %d%%", path, int(100 * done / total))
+    next_report = 0.25
+    for done, (s, value) in enumerate(whole_values(engine, order), 1):
+        key = key_of(s.name)
+        out = None if key is None else mine.get(file_of[key])
+        if out is not None and not problems:
+            try:
+                out.write(key, value)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"rank {comm.rank}: writing {s.name}: {type(e).__name__}: {e}")
+        if comm.rank == 0 and done / len(order) >= next_report:
+            log.info("save_pretrained %s: %d%%", path, int(100 * done / len(order)))
             next_report += 0.25
-    del full
     for key, t in buffers.items():
         out = mine.get(file_of[key])
         if out is not None and not problems:
@@ -336,6 +342,27 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
             problems.append(f"{type(e).__name__}: {e}")
     agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
     return path
+
+
+def whole_values(engine, order: list[str]) -> Iterator[tuple[object, torch.Tensor]]:
+    """Collective: (slot, the parameter's whole fp32 value) for each parameter named in `order`
+    (every rank the same order), a chunk gathered over the data-parallel group when first needed
+    and dropped for the next, a tensor-parallel parameter then assembled over its TP group: a rank
+    holds one gathered chunk and one whole tensor at a time."""
+    slot_of = {s.name: (c, s) for c in engine.chunks for s in c.slots}
+    current = full = None
+    for name in order:
+        c, s = slot_of[name]
+        if c is not current:
+            full = None
+            engine.comm.counting = False  # not step traffic
+            try:
+                full = engine.layout.full_fp32(c)
+            finally:
+                engine.comm.counting = True
+            current = c
+        value = full[s.offset:s.offset + s.numel].view(s.shape)
+        yield s, value if engine.tp is None else engine.tp.full_tensor(s.param, value)
 
 
 def _finish_folder(module: nn.Module, path: str, names: list[str], files: list) -> None:

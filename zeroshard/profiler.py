@@ -21,6 +21,7 @@ compute dtype) into the modules for the step, and puts the real ones back after,
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -29,9 +30,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
+
+from .tensor_parallel import local, local_shape
 
 log = logging.getLogger("zeroshard")
 
@@ -75,6 +79,8 @@ class Profile:
     tied_numel: int = 0  # elements of parameters registered under more than one name
     largest_module_numel: int = 0  # most elements of direct parameters of any one module
     peak_phase: str = field(default="")  # 'forward' or 'backward': where the activation peak is
+    collectives: int = 0  # the model's own collectives over the step (tensor parallelism's)
+    collective_bytes: int = 0  # bytes each rank moves in them (ring accounting)
 
     @property
     def element_size(self) -> int:
@@ -90,7 +96,10 @@ class Profile:
                 f"{len(self.trace)} module events; {len(self.checkpoint_regions)} checkpoint regions; "
                 f"saved for backward {self.saved_bytes / gib:.3f} GiB, peak activations "
                 f"{self.peak_activation_bytes / gib:.3f} GiB ({self.peak_phase}); "
-                f"{self.flops / 1e12:.2f} TFLOP per step; profiled in {self.seconds:.2f} s")
+                f"{self.flops / 1e12:.2f} TFLOP per step"
+                + (f"; {self.collectives} model collectives moving {self.collective_bytes / gib:.3f} GiB"
+                   if self.collectives else "")
+                + f"; profiled in {self.seconds:.2f} s")
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -107,6 +116,8 @@ class _LiveBytes(TorchDispatchMode):
         self.phase = "forward"
         self.flops = 0
         self.assumed = 0  # values of meta tensors read by the model (see _assumed_value)
+        self.collectives = 0  # the model's own collectives (tensor parallelism's), and
+        self.collective_bytes = 0.0  # the bytes each rank moves in them (ring accounting)
 
     def _assumed_value(self, t: torch.Tensor):
         """A meta tensor has no values, so a model that reads one (`.item()`, `if mask.all():`) gets
@@ -121,6 +132,20 @@ class _LiveBytes(TorchDispatchMode):
         self.assumed += 1
         return value
 
+    def _count_collective(self, op, args) -> None:
+        """A collective of the functional API (what DTensor issues): a ring all-reduce of M bytes
+        moves 2M(n-1)/n per rank; an all-gather (M: its output) or reduce-scatter (M: its input) M(n-1)/n.
+        On meta tensors nothing is sent: the meta kernels only shape the outputs."""
+        c10d = torch.ops._c10d_functional
+        factors = {c10d.all_reduce: 2.0, c10d.all_gather_into_tensor: 1.0, c10d.reduce_scatter_tensor: 1.0}
+        if op not in factors:
+            return
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        n = _resolve_process_group(args[-1]).size()
+        size = args[0].numel() * args[0].element_size() * (n if op is c10d.all_gather_into_tensor else 1)
+        self.collectives += 1
+        self.collective_bytes += factors[op] * size * (n - 1) / n
+
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
 
@@ -131,14 +156,17 @@ class _LiveBytes(TorchDispatchMode):
             # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
             return self._assumed_value(args[0])
         out = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional":
+            self._count_collective(func._overloadpacket, args)
         count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
+        if count is not None:  # per rank: a tensor-parallel operator's flops are those of its shards
+            self.flops += count(*tree_map(_local_meta, args), **tree_map(_local_meta, kwargs),
+                                out_val=tree_map(_local_meta, out))
         flat, _ = tree_flatten(out)
         for t in flat:
             if not isinstance(t, torch.Tensor):
                 continue
-            st = t.untyped_storage()
+            st = local(t).untyped_storage()
             key = st._cdata
             if key in self.live or key in self.known:
                 continue
@@ -149,6 +177,10 @@ class _LiveBytes(TorchDispatchMode):
         if self.current > self.peak:
             self.peak, self.peak_phase = self.current, self.phase
         return out
+
+
+def _local_meta(x):
+    return local(x) if isinstance(x, DTensor) else x
 
 
 class _SavedBytes:
@@ -165,7 +197,7 @@ class _SavedBytes:
         self.current -= self.live.pop(key, 0)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
+        st = local(t).untyped_storage()
         key = st._cdata
         if key not in self.known and key not in self.live:
             self.live[key] = st.nbytes()
@@ -279,6 +311,16 @@ class _AttentionAsOnDevice:
         return None  # math: the meta decomposition is that kernel
 
 
+def _meta_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A meta copy of parameter `p` in `dtype`; a DTensor's copy is a DTensor over the same mesh
+    whose local shard is on the meta device, so tensor-parallel modules run as they will."""
+    if isinstance(p, DTensor):
+        shard = torch.empty(local_shape(p), dtype=dtype, device="meta")
+        return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+    return torch.empty(p.shape, dtype=dtype, device="meta")
+
+
 def _to_meta(x, dtype):
     if isinstance(x, torch.Tensor):
         d = dtype if x.is_floating_point() else x.dtype
@@ -325,9 +367,10 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     infos, index, meta_of = [], {}, {}
     for name, p in model.named_parameters():
         d = dtype if p.is_floating_point() else p.dtype
-        meta_of[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=d, device="meta"), requires_grad=p.requires_grad)
+        meta_of[id(p)] = nn.Parameter(_meta_like(p, d), requires_grad=p.requires_grad)
         index[id(meta_of[id(p)])] = len(infos)
-        infos.append(ParamInfo(name, p.numel(), tuple(p.shape), p.requires_grad))
+        shape = local_shape(p)  # what this rank stores: a tensor-parallel parameter's local shard
+        infos.append(ParamInfo(name, math.prod(shape), tuple(shape), p.requires_grad))
     swaps, buffer_bytes, tied_numel = [], 0, 0
     for m in model.modules():
         for slots, is_param in ((m._parameters, True), (m._buffers, False)):
@@ -335,14 +378,14 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
                 if t is None:
                     continue
                 if is_param:
-                    tied_numel += t.numel()
+                    tied_numel += local(t).numel()
                     new = meta_of[id(t)]
                 else:
                     buffer_bytes += t.numel() * t.element_size()
                     new = _to_meta(t, t.dtype)
                 swaps.append((slots, n, t, new))
     tied_numel -= sum(i.numel for i in infos)
-    known = {new.untyped_storage()._cdata for *_, new in swaps}
+    known = {local(new).untyped_storage()._cdata for *_, new in swaps}
     known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
 
     trace: list[Event] = []
@@ -444,7 +487,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
                    saved_bytes=saved.peak, peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
                    flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,
-                   largest_module_numel=largest, peak_phase=live.peak_phase)
+                   largest_module_numel=largest, peak_phase=live.peak_phase, collectives=live.collectives,
+                   collective_bytes=int(live.collective_bytes))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

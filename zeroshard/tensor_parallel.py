@@ -75,11 +75,49 @@ def set_local(p: torch.Tensor, value: torch.Tensor) -> None:
         p.data = value
         return
     if value.dtype != p.dtype:  # DTensor ops take the dtype from the wrapper and its spec
-        like = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        like = as_dtensor(p, value)
         p.data = like
         p._spec = like._spec
     p._local_tensor = value
+
+
+def region(p: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where this rank's shard of DTensor `p` lies in the whole tensor: (offset per dimension, its
+    shape), for reading it out of whole-tensor files and state dicts; None for a plain tensor."""
+    if not isinstance(p, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(offset), tuple(shape)
+
+
+def shard_of(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `whole`, a whole-tensor value of `p` (itself for a plain `p`)."""
+    where = region(p)
+    if where is None:
+        return whole
+    return whole[tuple(slice(o, o + n) for o, n in zip(*where))]
+
+
+def local_value(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of `value`, loaded into DTensor parameter `p`: a DTensor's local tensor
+    (redistributed to p's placements first), the region of a whole tensor; None when `value` is
+    not of p's whole shape (torch's load then reports the mismatch)."""
+    if isinstance(value, DTensor):
+        if value.device_mesh != p.device_mesh or value.placements != p.placements:
+            value = value.redistribute(p.device_mesh, p.placements)
+        return value.to_local()
+    return shard_of(p, value) if tuple(value.shape) == tuple(p.shape) else None
+
+
+def as_dtensor(p: DTensor, value: torch.Tensor) -> DTensor:
+    """A DTensor laid out as `p` whose local tensor is `value`."""
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def whole_shape(p: torch.Tensor, stored: torch.Size) -> tuple[int, ...]:
+    """The whole tensor's shape of parameter `p`, of which this rank stores `stored`."""
+    return tuple(p.shape) if isinstance(p, DTensor) else tuple(stored)
 
 
 def local_grad(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -104,6 +142,7 @@ class TensorParallel:
         self.group = tp_mesh.get_group()
         self.rank = tp_mesh.get_local_rank()
         self.comm = Comm(device, group=self.group)  # P_a's all-gathers, counted apart from ZeRO's
+        self.world_comm = Comm(device)  # every rank: errors that stop all, files shared out over all
         split = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
         if not split:
             raise ValueError(f"zeroshard: tensor_parallel={degree} but no parameter of the model is a DTensor: "
@@ -119,7 +158,7 @@ class TensorParallel:
     def sync_replicated(self, params: list[nn.Parameter]) -> None:
         """Collective over the TP group: every replicated parameter takes TP rank 0's value."""
         for p in params:
-            if not isinstance(p, DTensor):
+            if not isinstance(p, DTensor) and not p.is_meta:  # a meta one's value is the same on every rank
                 self.comm.broadcast(p.data, src=0)
 
     def full_tensor(self, p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -127,9 +166,13 @@ class TensorParallel:
         this rank is `value` (`value` itself for a replicated parameter)."""
         if not isinstance(p, DTensor):
             return value
-        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride()).full_tensor()
+        return as_dtensor(p, value).full_tensor()
 
+    def broadcast_object(self, obj):
+        """Collective over the whole world: global rank 0's picklable `obj` (the plan)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def checkpoint_root(self, root) -> str:
         """Where this TP rank's data-parallel group keeps its checkpoints under `root`: each group
