@@ -17,6 +17,7 @@ SCENARIOS = {  # name -> (stage, optimizer, P_a: None / "on" / "cpu", activation
     "stage2_sgd": (2, "sgd", None, False),
     "stage3_sgd": (3, "sgd", None, False),
     "stage3_adamw": (3, "adamw", None, False),
+    "stage3_cache2": (3, "sgd", None, False),  # an rCache of 2 chunks (BOUNDED_CACHE)
     "stage2_checkpointed": (2, "sgd", None, True),
     "stage2_pa": (2, "sgd", "on", True),
     "stage3_checkpointed": (3, "sgd", None, True),
@@ -24,6 +25,27 @@ SCENARIOS = {  # name -> (stage, optimizer, P_a: None / "on" / "cpu", activation
     "stage3_pa_cpu": (3, "sgd", "cpu", True),
     "stage1_pa_cpu_adamw": (1, "adamw", "cpu", True),
 }
+
+
+BOUNDED_CACHE = {"stage3_cache2": 2}
+
+
+class SavedByReference:
+    """Counts split weights (DTensors viewing a gathered stage-3 chunk) that the saved-tensor hooks
+    keep as references, so the chunk can be released between forward and backward."""
+
+    def __init__(self):
+        import zeroshard.saved_tensors as saved
+        self.count, self._cls = 0, saved.SplitChunkView
+        self._init = self._cls.__init__
+
+        def counted(view, *args):
+            self.count += 1
+            self._init(view, *args)
+        self._cls.__init__ = counted
+
+    def close(self):
+        self._cls.__init__ = self._init
 
 
 class TensorParallelTraffic:
@@ -86,20 +108,26 @@ def scenario(name, world):
     mesh = zeroshard.device_mesh(2)
     m = split_llama(mesh, checkpointing)
     cfg = {"stage": stage, "tensor_parallel": 2, "chunk_size": 5000, "collective_timeout_s": 120,
-           "partition_activations": pa is not None, "offload_activations": pa == "cpu"}
+           "partition_activations": pa is not None, "offload_activations": pa == "cpu",
+           "cache_chunks": BOUNDED_CACHE.get(name)}
     engine = zeroshard.initialize(m, make_optimizer(kind), config=cfg)
+    by_reference = SavedByReference()
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp
     figures = {"mp_all_reduces": [], "mp_elements": []}
     timeline = engine.record_memory(steps=1)
-    for x in data():
-        xb = x[dp_rank * per:(dp_rank + 1) * per]
-        traffic = TensorParallelTraffic()
-        with traffic.mode:
-            engine.backward(engine(xb, labels=xb).loss)
-        engine.step()
-        figures["mp_all_reduces"].append(traffic.count)
-        figures["mp_elements"].append(traffic.elements)
+    try:
+        for x in data():
+            xb = x[dp_rank * per:(dp_rank + 1) * per]
+            traffic = TensorParallelTraffic()
+            with traffic.mode:
+                engine.backward(engine(xb, labels=xb).loss)
+            engine.step()
+            figures["mp_all_reduces"].append(traffic.count)
+            figures["mp_elements"].append(traffic.elements)
+    finally:
+        by_reference.close()
+    figures["saved_by_reference"] = by_reference.count
     stats = engine.stats()
     full = engine.full_state_dict()
     ref = reference(kind)

@@ -6,8 +6,9 @@ serves these features.
   1/MP per rank and all-gathered in backward (tensor_parallel.py).
 - Activation offload (ZeRO-R's P_a+cpu): other saved tensors (P_a's parts too) wait in host memory
   (offload.py).
-- DTensors (activations inside a tensor-parallel region that is not checkpointed) are kept as they
-  are, on the device.
+- DTensors: a split weight whose local tensor views a gathered stage-3 chunk is kept by reference
+  as above; others (activations inside a tensor-parallel region that is not checkpointed) are kept
+  as they are, on the device.
 - The memory timeline counts saved tensors while it records (timeline.py), and `saved_bytes` what
   the last forward kept (with P_a or activation offload on), for stats().
 Model states (chunk storage) are never offloaded or counted as activations.
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from .hooks import ChunkView
 from .offload import ActivationOffload, Pending, Transfer
-from .tensor_parallel import Partitioned, PartitionedActivations
+from .tensor_parallel import Partitioned, PartitionedActivations, as_dtensor, local
 
 
 class Saved:
@@ -34,6 +35,16 @@ class Saved:
 
     def __init__(self, inner, version: int | None):
         self.inner, self.version = inner, version
+
+
+class SplitChunkView:
+    """A saved DTensor whose local tensor views a gathered stage-3 chunk: the reference, and a
+    storage-less stand-in carrying the DTensor's layout (mesh, placements, shape, stride)."""
+    __slots__ = ("view", "like")
+
+    def __init__(self, view: ChunkView, t: DTensor):
+        self.view = view
+        self.like = as_dtensor(t, torch.empty(0, dtype=t.dtype, device="meta"))
 
 
 class SavedTensorHooks:
@@ -90,6 +101,10 @@ class SavedTensorHooks:
 
     def pack(self, t: torch.Tensor):
         if isinstance(t, DTensor):  # see the module docstring
+            if self.stage3 is not None and self._by_reference:  # a split weight: its local tensor views a chunk
+                ref = self.stage3.pack_chunk_view(local(t))
+                if ref is not None:
+                    return SplitChunkView(ref, t)
             return Saved(t.detach(), t._version)
         if self.stage3 is not None and self._by_reference:
             ref = self.stage3.pack_chunk_view(t)
@@ -126,6 +141,8 @@ class SavedTensorHooks:
             packed = packed.inner
         if isinstance(packed, ChunkView):
             return self.stage3.unpack_chunk_view(packed)
+        if isinstance(packed, SplitChunkView):
+            return as_dtensor(packed.like, self.stage3.unpack_chunk_view(packed.view))
         if isinstance(packed, Partitioned):
             return self.partition.unpack(packed)
         if isinstance(packed, Pending):
