@@ -139,6 +139,12 @@ def _train_rows(engine, data, rank, world, steps):
         engine.step()
 
 
+def save_all(rank, world, root):
+    """save_cases, then save_topology, in one spawned world (its processes start once)."""
+    save_cases(rank, world, root, os.path.join(root, "saved.json"))
+    save_topology(rank, world, root, os.path.join(root, "topo_saved.json"))
+
+
 def save_topology(rank, world, root, out_path):
     """World 2, stage 3: a straight run and a checkpoint after HALF steps, per optimizer."""
     def run(name):

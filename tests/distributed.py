@@ -77,23 +77,44 @@ def world2_then_world1(run, root, env: str, subdir: str) -> dict:
     return {**json.loads((root / "world2.json").read_text()), **json.loads((root / "world1.json").read_text())}
 
 
+def _run_each(rank, world, runs):
+    """One spawned world running several scenario registries in turn: `runs` is [(run, out_path)]."""
+    for run, out in runs:
+        run(rank, world, out)
+
+
 class WorldResults:
     """Runs `run(rank, world, out_path)` once per world size (rank 0 writes a JSON of figures) and
-    keeps what it wrote, or its failure: then every test of that world fails at once."""
+    keeps what it wrote, or its failure: then every test of that world fails at once.
 
-    def __init__(self, run, label: str):
-        self.run, self.label, self._cache = run, label, {}
+    Shared (the default): the first test to ask for a world runs every shared registry collected in
+    this session at that world, one after another in one spawned world, so each world pays for
+    starting its processes (torch, transformers, the process group: 7-12 s) once, not once per test
+    module. A registry that raises stops that world; those after it then fail with its cause."""
+
+    _shared: list["WorldResults"] = []
+
+    def __init__(self, run, label: str, shared: bool = True, worlds=(1, 2, 3)):
+        """`worlds`: the world sizes this registry's tests ask for (a shared one runs at those only)."""
+        self.run, self.label, self.worlds, self._cache = run, label, tuple(worlds), {}
+        if shared:
+            WorldResults._shared.append(self)
+        self.shared = shared
 
     def get(self, world: int, tmp_path_factory) -> dict:
         import json
+        assert world in self.worlds, (self.label, world, self.worlds)
         if world not in self._cache:
-            out = tmp_path_factory.mktemp(f"{self.label}{world}") / "results.json"
+            batch = [r for r in WorldResults._shared if world in r.worlds and world not in r._cache] \
+                if self.shared else [self]
+            outs = {r: tmp_path_factory.mktemp(f"{r.label}{world}") / "results.json" for r in batch}
+            failure: BaseException = RuntimeError("rank 0 wrote no results")
             try:
-                spawn(world, self.run, str(out))
-                self._cache[world] = json.loads(out.read_text())
+                spawn(world, _run_each, [(r.run, str(out)) for r, out in outs.items()])
             except BaseException as e:  # noqa: B036  (a timeout too)
-                self._cache[world] = e
-                raise
+                failure = e
+            for r, out in outs.items():  # what finished before a failure still counts
+                r._cache[world] = json.loads(out.read_text()) if out.exists() else failure
         if isinstance(self._cache[world], BaseException):
             raise RuntimeError(f"the world-{world} {self.label} scenarios did not run: "
                                f"{cause(self._cache[world])}") from self._cache[world]

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 import zeroshard
 import zeroshard.cli
 import zeroshard.export
-from checkpoint_scenarios import (CASES, HALF, STEPS, disk_full_save, global_data, killed_save, resume_cases, resume_topology,
-                                  save_cases, save_topology)
+from checkpoint_scenarios import (CASES, HALF, disk_full_save, global_data, killed_save, resume_cases, resume_topology,
+                                  save_all)
 from distributed import spawn
 from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
 from zeroshard.checkpoint import row_major_boxes
@@ -32,8 +32,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpts")
-    spawn(WORLD, save_cases, str(root), str(root / "saved.json"))
-    spawn(WORLD, save_topology, str(root), str(root / "topo_saved.json"))
+    spawn(WORLD, save_all, str(root))
     return root
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zeroshard
-from distributed import spawn
+from distributed import WorldResults
 from models import batches, make_sgd, reference, tiny_gpt2
 
 
@@ -108,11 +108,12 @@ def _grad_norms_at_world(rank, world, out):
             json.dump(results, f)
 
 
-def test_grad_norm_without_clipping_is_the_global_norm_at_world_3(tmp_path):
+_norms = WorldResults(_grad_norms_at_world, "metrics", worlds=(3,))
+
+
+def test_grad_norm_without_clipping_is_the_global_norm_at_world_3(tmp_path_factory):
     """Uneven shards (world 3): every stage reports the norm of the global batch's gradient."""
-    out = tmp_path / "norms.json"
-    spawn(3, _grad_norms_at_world, str(out))
-    got = json.loads(out.read_text())
+    got = _norms.get(3, tmp_path_factory)
     ref_norms = []
 
     def norm_then_sgd(ps):

@@ -19,7 +19,7 @@ from tp_scenarios import BOUNDED_CACHE, SCENARIOS, run
 
 pytest.importorskip("transformers")
 
-_results = WorldResults(run, "tensor-parallel")
+_results = WorldResults(run, "tensor-parallel", shared=False, worlds=(4, 2))  # in that order (across)
 
 
 def _across(tmp_path_factory) -> None:
@@ -113,6 +113,15 @@ def test_a_checkpoint_resumes_the_same_training(res):
     assert got["client"] == {"step": 1}
     assert got["layout"] == ["tp0-of-2", "tp1-of-2"]
     assert "/tp0-of-2/step1" in got["path"]
+
+
+def test_export_joins_the_tensor_parallel_ranks_shards(res):
+    """`zeroshard export` of the root holding tp0-of-2/ and tp1-of-2/: the whole model as
+    full_state_dict() gave it at the save; one TP rank's checkpoint alone is refused, naming why."""
+    results, _ = res
+    got = ok(results, "resume")
+    assert got["export_keys_match"] and got["export_diff"] == 0
+    assert "TP rank 0's part of a tensor-parallel checkpoint" in got["one_rank"]
 
 
 def test_a_checkpoint_resumes_at_another_data_parallel_size(tmp_path_factory):

@@ -276,9 +276,23 @@ def resume(directory):
             engine.step()
         if stage == 3:
             paths.append(engine.save_checkpoint(directory, client_state={"step": 1}))
+            at_save = engine.full_state_dict()
     full, ref = engine.full_state_dict(), reference("sgd")
-    return {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "client": client,
-            "layout": sorted(os.listdir(directory)), "path": paths[0]}
+    out = {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "client": client,
+           "layout": sorted(os.listdir(directory)), "path": paths[0]}
+    import torch.distributed as dist
+    if dist.get_rank() == 0:  # export joins the TP ranks' shards into the whole model, offline
+        from safetensors.torch import load_file
+        from zeroshard.export import export
+        exported = load_file(export(directory, os.path.join(directory, "..", "exported.safetensors"),
+                                    progress=lambda line: None))
+        out["export_keys_match"] = sorted(exported) == sorted(at_save)
+        out["export_diff"] = max((exported[k] - at_save[k]).abs().max().item() for k in at_save)
+        try:
+            export(paths[0], os.path.join(directory, "..", "one-rank.safetensors"), progress=lambda line: None)
+        except zeroshard.CheckpointError as e:
+            out["one_rank"] = str(e)
+    return out
 
 
 def refusals(directory):

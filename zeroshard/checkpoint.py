@@ -696,7 +696,8 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kin
             "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
             "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
             **describe_model(engine), "optim_state": kinds,
-            "hf_config": _hf_config(engine.module)}
+            "hf_config": _hf_config(engine.module),
+            "tensor_parallel": engine.tp.describe(engine.params, engine.names) if engine.tp else None}
     _write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
     buf = io.BytesIO()

@@ -15,6 +15,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import struct
 import sys
 import time
@@ -31,7 +32,8 @@ WEIGHTS = "model.safetensors"
 
 def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, batch_bytes: int = 64 << 20,
            progress=None) -> str:
-    """Write the model of checkpoint `ckpt` (a root or a checkpoint dir) to `out` (a .safetensors
+    """Write the model of checkpoint `ckpt` (a root or a checkpoint dir; for a tensor-parallel model
+    the root holding tp0-of-N, ...: the TP ranks' shards are joined) to `out` (a .safetensors
     file, or a folder); returns the safetensors file's path. dtype: convert floating tensors
     (default: as saved, fp32 masters). batch_bytes: most bytes read from the shards at once (also at
     most half the largest shard).
@@ -40,20 +42,25 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     lines = progress  # None: a progress bar instead of lines while writing
     t0 = time.perf_counter()
-    path = resolve(ckpt)
-    sums = read_sums(path)
-    meta = read_meta(path, sums)
-    if verify:
-        verify_all(path, sums)
-    read_extra(path)  # not needed here, but a checkpoint zeroshard would not load is not exported either
-    saved = SafeReader(path).read_metadata().state_dict_metadata
+    parts = [resolve(d) for d in tensor_parallel_dirs(ckpt)] or [resolve(ckpt)]
+    metas, largest = [], 0
+    for part in parts:
+        sums = read_sums(part)
+        metas.append(read_meta(part, sums))
+        largest = max([largest] + [os.path.getsize(os.path.join(part, n)) for n in sums if n.endswith(".distcp")])
+        if verify:
+            verify_all(part, sums)
+        read_extra(part)  # not needed here, but a checkpoint zeroshard would not load is not exported either
+    path, meta = parts[0], metas[0]
+    split = _check_parts(parts, metas, ckpt)  # checkpoint key -> its TP layout, for a split parameter
+    readers = [SafeReader(part).read_metadata().state_dict_metadata for part in parts]
+    saved = readers[0]
 
     out = os.path.abspath(os.fspath(out))
     folder = not out.endswith(".safetensors")
     target = os.path.join(out, WEIGHTS) if folder else out
     os.makedirs(os.path.dirname(target), exist_ok=True)
     # A batch well under the bound the issue sets (1.5 x the largest shard + one tensor).
-    largest = max((os.path.getsize(os.path.join(path, n)) for n in sums if n.endswith(".distcp")), default=0)
     batch_bytes = min(batch_bytes, max(1 << 20, largest // 2))
 
     shapes = {f"model.{n}": tuple(shape) for n, shape, _ in meta["params"]}
@@ -61,6 +68,13 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     for key in meta["state_dict_keys"]:
         source = "model." + meta["tied"].get(key, key)
         md = saved.get(source)
+        if source in split:  # the whole tensor, joined from every TP rank's shards
+            base = md.properties.dtype if md is not None else torch.float32
+            want = dtype if dtype is not None and base.is_floating_point else base
+            shape = tuple(split[source]["shape"])
+            entries.append((key, source, want, shape, begin))
+            begin += math.prod(shape) * want.itemsize
+            continue
         if md is None:  # an empty parameter: no rank held any of it
             shape = shapes.get(source)
             if shape is None or math.prod(shape):
@@ -75,7 +89,7 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     total = begin
     out_file = StreamedSafetensors(target, [(key, want, shape) for key, _, want, shape, _ in entries])
     try:
-        _write(out_file, entries, saved, path, batch_bytes, total, lines)
+        _write(out_file, entries, _Sources(parts, readers, split), batch_bytes, total, lines)
         out_file.commit()
     except BaseException as e:
         out_file.abort()
@@ -90,7 +104,71 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     return target
 
 
-def _write(out: "StreamedSafetensors", entries, saved, path: str, batch_bytes: int, total: int, say) -> None:
+def tensor_parallel_dirs(ckpt) -> list[str]:
+    """The TP ranks' checkpoint roots under `ckpt` (tp0-of-N, tp1-of-N, ...: what save_checkpoint
+    writes for a tensor-parallel model), in rank order; [] when `ckpt` is not such a root."""
+    root = os.path.abspath(os.fspath(ckpt))
+    found = {} if not os.path.isdir(root) else \
+        {m.group(1, 2): n for n in os.listdir(root) if (m := re.fullmatch(r"tp(\d+)-of-(\d+)", n))}
+    if not found:
+        return []
+    degrees = {int(n) for _, n in found}
+    degree = max(degrees)
+    missing = [f"tp{r}-of-{degree}" for r in range(degree) if (str(r), str(degree)) not in found]
+    if len(degrees) > 1 or missing:
+        raise CheckpointError(f"zeroshard: {root} holds tensor-parallel checkpoints of degrees {sorted(degrees)}"
+                              + (f", without {', '.join(missing)}" if missing else "")
+                              + ": one complete set is needed")
+    return [os.path.join(root, f"tp{r}-of-{degree}") for r in range(degree)]
+
+
+def _check_parts(parts: list[str], metas: list[dict], ckpt) -> dict[str, dict]:
+    """The split parameters ("model.<name>" -> {"shape", "dim"}) of a tensor-parallel checkpoint
+    whose TP ranks' parts are `parts`, after checking they belong together; {} for another."""
+    tp = metas[0].get("tensor_parallel")
+    if tp is None:
+        return {}
+    if len(parts) == 1:
+        raise CheckpointError(f"zeroshard: {parts[0]} is TP rank {tp['rank']}'s part of a tensor-parallel checkpoint "
+                              f"(degree {tp['degree']}): export the folder that holds tp0-of-{tp['degree']}, ... "
+                              f"(export joins every TP rank's shards)")
+    ranks = [m.get("tensor_parallel", {}).get("rank") for m in metas]
+    if ranks != list(range(len(parts))) or len({m["steps"] for m in metas}) != 1:
+        raise CheckpointError(f"zeroshard: the TP ranks' checkpoints in {os.fspath(ckpt)} do not belong together "
+                              f"(ranks {ranks}, steps {[m['steps'] for m in metas]}): each tp<r>-of-N/latest "
+                              "must name the same save")
+    odd = [name for name, v in tp["split"].items() if v["dim"] is None]
+    if odd:
+        raise CheckpointError(f"zeroshard: export joins parameters split along one dimension (Shard); "
+                              f"{', '.join(odd)} are laid out otherwise")
+    return {"model." + name: v for name, v in tp["split"].items()}
+
+
+class _Sources:
+    """Reads checkpoint tensors by key: whole ones from the checkpoint, a split one (tensor
+    parallelism) concatenated from every TP rank's shard along its dimension."""
+
+    def __init__(self, parts: list[str], readers: list, split: dict):
+        self.parts, self.readers, self.split = parts, readers, split
+
+    def stored_bytes(self, source: str | None) -> int:
+        """Bytes read for `source` (every TP rank's shard of a split tensor)."""
+        return 0 if source is None else sum(saved[source].size.numel() * saved[source].properties.dtype.itemsize
+                                            for saved in self.readers if source in saved)
+
+    def read(self, sources: set[str]) -> dict[str, torch.Tensor]:
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for r, (part, saved) in enumerate(zip(self.parts, self.readers)):
+            wanted = [s for s in sources if (s in self.split or r == 0) and s in saved]
+            state = {s: torch.empty(saved[s].size, dtype=saved[s].properties.dtype) for s in wanted}
+            if state:
+                dcp_load(state, part)
+            for s, t in state.items():
+                pieces.setdefault(s, []).append(t)
+        return {s: torch.cat(ts, dim=self.split[s]["dim"]) if s in self.split else ts[0] for s, ts in pieces.items()}
+
+
+def _write(out: "StreamedSafetensors", entries, sources: _Sources, batch_bytes: int, total: int, say) -> None:
     from tqdm import tqdm
     written, next_report = 0, 0.1
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="zeroshard export", leave=False,
@@ -99,14 +177,12 @@ def _write(out: "StreamedSafetensors", entries, saved, path: str, batch_bytes: i
         i = 0
         while i < len(entries):
             batch, size = [], 0
-            while i < len(entries) and (not batch or size + _stored_bytes(saved, entries[i][1]) <= batch_bytes):
+            while i < len(entries) and (not batch or size + sources.stored_bytes(entries[i][1]) <= batch_bytes):
                 batch.append(entries[i])
-                size += _stored_bytes(saved, entries[i][1])
+                size += sources.stored_bytes(entries[i][1])
                 i += 1
-            sources = {e[1] for e in batch} - {None}
-            state = {s: torch.empty(saved[s].size, dtype=saved[s].properties.dtype) for s in sources}
-            if state:
-                dcp_load(state, path)
+            keys = {e[1] for e in batch} - {None}
+            state = sources.read(keys) if keys else {}
             for key, source, want, shape, _ in batch:
                 if source is None:
                     continue
@@ -186,7 +262,3 @@ class StreamedSafetensors:
             self.file.close()
         if os.path.exists(self.tmp):
             os.remove(self.tmp)
-
-
-def _stored_bytes(saved, source: str | None) -> int:
-    return 0 if source is None else saved[source].size.numel() * saved[source].properties.dtype.itemsize

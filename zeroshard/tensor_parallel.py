@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .collectives import Comm, init_process_group
@@ -167,6 +167,17 @@ class TensorParallel:
         if not isinstance(p, DTensor):
             return value
         return as_dtensor(p, value).full_tensor()
+
+    def describe(self, params: list[torch.Tensor], names: dict[int, str]) -> dict:
+        """What a checkpoint records so that `zeroshard export` can join the TP ranks' shards:
+        each split parameter's whole shape and the dimension it is split along ("dim": None for
+        a layout other than one Shard, which export refuses)."""
+        split = {}
+        for p in params:
+            if isinstance(p, DTensor):
+                (placement,) = p.placements
+                split[names[id(p)]] = {"shape": list(p.shape), "dim": placement.dim if type(placement) is Shard else None}
+        return {"degree": self.degree, "rank": self.rank, "split": split}
 
     def broadcast_object(self, obj):
         """Collective over the whole world: global rank 0's picklable `obj` (the plan)."""
