@@ -1,7 +1,9 @@
 """zeroshard beside PyTorch's tensor parallelism (issue 18), on CPU with gloo: a Llama from a
 transformers config split over zeroshard.device_mesh(2)["tp"], at TP 2 x DP 1 (world 2) and TP 2 x
-DP 2 (world 4), stages 0-3, with and without ZeRO-R's P_a and P_a+cpu, trains the same model as
-single-process PyTorch on the global batch (tests/tp_scenarios.py).
+DP 2 (world 4), stages 0-3, with and without ZeRO-R's P_a and P_a+cpu, and as offload/stage 'auto'
+plans it, trains the same model as single-process PyTorch on the global batch; the pretrained path
+(meta build, weights=, save_pretrained, load_weights, load_state_dict), checkpoints and export work
+on the split model (tests/tp_scenarios.py).
 
 Tolerances: fp32 SGD with momentum 1e-5. AdamW ADAMW_TOL (3e-5): tensor parallelism sums each
 split matmul in two partial products and an all-reduce, a different order from the reference's,
