@@ -94,7 +94,8 @@ class Engine:
         start = InitialValues(module, self.params, weights, init_fn, config.init_seed)
         if self.tp is not None:
             self.tp.sync_replicated(self.params)
-        start.check(self.comm)  # collective: a file a rank cannot read raises on every rank
+        every = self.tp.world_comm if self.tp else self.comm  # TP peers too: none may go on alone
+        start.check(every)  # collective: a file a rank cannot read raises on every rank
         cast_buffers(module, self.dtype, config.buffer_dtype)
         self.state_keys = resolve_state(module, self.device)
         self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
@@ -123,7 +124,7 @@ class Engine:
             self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
         self.layout.build(order, start.fill, broadcast=start.broadcast)
-        start.finish(self.comm, self.params, self.chunks, self.device)
+        start.finish(every, self.params, self.chunks, self.device)
         del start
         self.cache.set_chunks(self.chunks)
         self.optim.attach(self.chunks)
