@@ -93,10 +93,13 @@ def test_partitioned_checkpoints_are_one_tp_share(res):
         assert 0.5 <= got["peak_activations"] / whole <= 0.53, (name, got["peak_activations"], whole)
         assert got["saved_activation_bytes"]["device"] == got["peak_activations"]
         assert got["pa_fingerprints"] > 0 and got["pa_elements"] > 0
+        # a tensor several operations saved is gathered once, for all of them
+        assert got["pa_elements"] == got["pa_partitioned_elements"], (name, got["pa_elements"])
     for name in ("stage3_pa_cpu", "stage1_pa_cpu_adamw"):  # P_a+cpu: the share waits on the host
         got = ok(results, name)
         assert got["peak_activations"] == 0
         assert 0.45 <= got["peak_host_activations"] / whole <= 0.53, (name, got["peak_host_activations"], whole)
+        assert got["pa_elements"] == got["pa_partitioned_elements"] > 0, name
 
 
 def test_what_does_not_take_tensor_parallel_models_raises_a_named_error(res):

@@ -19,7 +19,9 @@ With tensor parallelism (tensor_parallel.py) the counts above are of the data-pa
 TP degree. `saved_activation_bytes` ({'device': bytes, 'host': bytes} the last training forward
 saved for backward, each storage once; None unless P_a or activation offload is on), and with P_a
 `pa_elements` (elements P_a's all-gathers moved over the TP group since the previous step, counted
-as the paper counts an all-gather) and `pa_fingerprints` (its replication checks).
+as the paper counts an all-gather), `pa_partitioned_elements` (whole, padded elements of the tensors it
+kept partitioned since then: each is gathered once in backward) and `pa_fingerprints` (its
+replication checks).
 
 What a training loop watches (StepMeter): `loss` (the mean of the losses this rank gave
 engine.backward since the previous step: this rank's micro-batches only; None when backward ran as
@@ -123,6 +125,7 @@ def step_stats(engine, applied: bool, meter: dict) -> dict:
     partition = engine.saved.partition
     if partition is not None:
         out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints
+        out["pa_partitioned_elements"] = partition.partitioned_elements
         partition.reset_counters()
     engine.comm.reset_counters()
     engine.transfer.reset_counters()

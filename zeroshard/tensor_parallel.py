@@ -207,11 +207,13 @@ class TensorParallel:
 
 class Partitioned:
     """A saved activation kept 1/MP on this rank: `piece` (a host Pending with P_a+cpu) is this
-    rank's 1/MP of the flattened tensor, zero-padded to equal parts."""
-    __slots__ = ("piece", "shape", "numel", "__weakref__")
+    rank's 1/MP of the flattened tensor, zero-padded to equal parts. `whole`: the tensor gathered
+    again by the first unpack, kept for the other operations that saved the same tensor (autograd
+    drops this object, and it, after the last of them)."""
+    __slots__ = ("piece", "shape", "numel", "whole", "__weakref__")
 
     def __init__(self, piece, shape: torch.Size, numel: int):
-        self.piece, self.shape, self.numel = piece, shape, numel
+        self.piece, self.shape, self.numel, self.whole = piece, shape, numel, None
 
 
 _WEIGHTS = 61  # period of the position weights of the fingerprint
@@ -228,6 +230,7 @@ class PartitionedActivations:
     def __init__(self, comm: Comm, transfer: Transfer, to_host: bool, min_numel: int = 1024):
         self.comm, self.transfer, self.to_host, self.min_numel = comm, transfer, to_host, min_numel
         self.fingerprints = 0  # fingerprint collectives since the last reset_counters
+        self.partitioned_elements = 0  # whole (padded) elements of the tensors partitioned since then
         self._weights: torch.Tensor | None = None
         # A tensor saved by several operations (a block's input: by the norm, the residual add and
         # the checkpoint) is partitioned once: tensor -> (its version then, Partitioned or None).
@@ -239,7 +242,7 @@ class PartitionedActivations:
         self._seen = WeakTensorKeyDictionary()
 
     def reset_counters(self) -> None:
-        self.fingerprints = 0
+        self.fingerprints = self.partitioned_elements = 0
         self.comm.reset_counters()
 
     @torch.no_grad()
@@ -282,12 +285,16 @@ class PartitionedActivations:
         lo, hi = min(n, self.comm.rank * part), min(n, (self.comm.rank + 1) * part)
         piece = torch.zeros(part, dtype=t.dtype, device=t.device)
         piece[:hi - lo].copy_(t.detach().reshape(-1)[lo:hi])
+        self.partitioned_elements += part * world
         return Partitioned(self.transfer.to_host(piece) if self.to_host else piece, t.shape, n)
 
     @torch.no_grad()
     def unpack(self, p: Partitioned) -> torch.Tensor:
-        """Collective over the TP group: the whole tensor again."""
-        piece = self.transfer.to_device(p.piece.tensor).wait() if isinstance(p.piece, Pending) else p.piece
-        full = torch.empty(piece.numel() * self.comm.world, dtype=piece.dtype, device=piece.device)
-        self.comm.all_gather(full, piece)
-        return full[:p.numel].view(p.shape)
+        """Collective over the TP group (at the first unpack of `p`): the whole tensor again. Every
+        TP rank unpacks the same tensors in the same order, so the gathers pair up."""
+        if p.whole is None:
+            piece = self.transfer.to_device(p.piece.tensor).wait() if isinstance(p.piece, Pending) else p.piece
+            full = torch.empty(piece.numel() * self.comm.world, dtype=piece.dtype, device=piece.device)
+            self.comm.all_gather(full, piece)
+            p.whole = full[:p.numel].view(p.shape)
+        return p.whole
