@@ -171,5 +171,6 @@ def test_the_pretrained_path_of_a_model_never_whole_in_a_process(res):
     assert got["trained"] <= 1e-5 and got["saved"] <= 1e-5, got
     assert len(got["files"]) > 1, got["files"]  # several files, shared out over every rank
     assert got["load_weights"] == 0 and got["load_state_dict"] == 0 and got["after_refusal"] == 0
+    assert got["load_dtensor_state_dict"] == 0
     assert "size mismatch for model.layers.0.mlp.gate_proj.weight" in got["other_shapes"]
     assert got["meta_keys_match"] and got["meta_init"] == 0

@@ -244,6 +244,9 @@ def pretrained(world, directory):
     out["load_weights"] = diff(engine.full_state_dict(), start)
     m.load_state_dict(ref)
     out["load_state_dict"] = diff(engine.full_state_dict(), ref)
+    m.load_state_dict(split_llama(mesh).state_dict())  # DTensor values, laid out as the model's
+    out["load_dtensor_state_dict"] = diff(engine.full_state_dict(), start)
+    m.load_state_dict(ref)
     try:
         engine.load_weights(other_dir)
     except zeroshard.WeightsError as e:

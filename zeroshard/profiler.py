@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from .tensor_parallel import local, local_shape
+from .tensor_parallel import as_dtensor, local, local_shape
 
 log = logging.getLogger("zeroshard")
 
@@ -160,8 +160,7 @@ class _LiveBytes(TorchDispatchMode):
             self._count_collective(func._overloadpacket, args)
         count = flop_registry.get(func._overloadpacket)
         if count is not None:  # per rank: a tensor-parallel operator's flops are those of its shards
-            self.flops += count(*tree_map(_local_meta, args), **tree_map(_local_meta, kwargs),
-                                out_val=tree_map(_local_meta, out))
+            self.flops += count(*tree_map(local, args), **tree_map(local, kwargs), out_val=tree_map(local, out))
         flat, _ = tree_flatten(out)
         for t in flat:
             if not isinstance(t, torch.Tensor):
@@ -177,10 +176,6 @@ class _LiveBytes(TorchDispatchMode):
         if self.current > self.peak:
             self.peak, self.peak_phase = self.current, self.phase
         return out
-
-
-def _local_meta(x):
-    return local(x) if isinstance(x, DTensor) else x
 
 
 class _SavedBytes:
@@ -315,9 +310,7 @@ def _meta_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A meta copy of parameter `p` in `dtype`; a DTensor's copy is a DTensor over the same mesh
     whose local shard is on the meta device, so tensor-parallel modules run as they will."""
     if isinstance(p, DTensor):
-        shard = torch.empty(local_shape(p), dtype=dtype, device="meta")
-        return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        return as_dtensor(p, torch.empty(local_shape(p), dtype=dtype, device="meta"))
     return torch.empty(p.shape, dtype=dtype, device="meta")
 
 

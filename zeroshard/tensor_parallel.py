@@ -103,10 +103,11 @@ def local_value(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of `value`, loaded into DTensor parameter `p`: a DTensor's local tensor
     (redistributed to p's placements first), the region of a whole tensor; None when `value` is
     not of p's whole shape (torch's load then reports the mismatch)."""
-    if isinstance(value, DTensor):
-        if value.device_mesh != p.device_mesh or value.placements != p.placements:
-            value = value.redistribute(p.device_mesh, p.placements)
-        return value.to_local()
+    if isinstance(value, DTensor) and value.device_mesh != p.device_mesh:
+        value = value.full_tensor()  # collective over its own mesh: redistribute stays within one
+    elif isinstance(value, DTensor):
+        return (value if value.placements == p.placements else value.redistribute(p.device_mesh, p.placements)) \
+            .to_local()
     return shard_of(p, value) if tuple(value.shape) == tuple(p.shape) else None
 
 
