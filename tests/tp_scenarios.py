@@ -9,6 +9,8 @@ import traceback
 
 import torch
 
+from models import max_diff
+
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
 
 SCENARIOS = {  # name -> (stage, optimizer, P_a: None / "on" / "cpu", activation checkpointing)
@@ -132,7 +134,7 @@ def scenario(name, world):
     full = engine.full_state_dict()
     ref = reference(kind)
     figures.update(
-        diff=max((full[k] - ref[k]).abs().max().item() for k in ref), keys_match=sorted(full) == sorted(ref),
+        diff=max_diff(full, ref), keys_match=sorted(full) == sorted(ref),
         peak_activations=timeline.peak("activations"), peak_host_activations=timeline.peak("host_activations"),
         **{k: stats[k] for k in ("comm_elements", "padded_elements", "num_params", "world_size", "tensor_parallel",
                                  "saved_activation_bytes", "pa_elements", "pa_fingerprints", "pa_partitioned_elements")
@@ -188,7 +190,7 @@ def auto(world):
             engine.backward(engine(xb, labels=xb).loss)
             engine.step()
         full, stats, plan = engine.full_state_dict(), engine.stats(), engine.plan
-        out[name] = {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "cap": cap,
+        out[name] = {"diff": max_diff(full, ref), "cap": cap,
                      "plan": plan.describe(), "fits": plan.fits, "offloaded_chunks": plan.offloaded_chunks,
                      "tp_seconds": plan.time.model_collectives, "predicted": plan.device_model_bytes,
                      "device_model_bytes": stats["device_model_bytes"],
@@ -233,31 +235,30 @@ def pretrained(world, directory):
         engine.backward(engine(xb, labels=xb).loss)
         engine.step()
     ref, start = reference("sgd"), llama(False).state_dict()
-    diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in b)  # noqa: E731
-    out = {"stage": stage, "trained": diff(engine.full_state_dict(), ref)}
+    out = {"stage": stage, "trained": max_diff(engine.full_state_dict(), ref)}
     engine.save_pretrained(out_dir, max_shard_size=100_000)
     dist.barrier()
     if dist.get_rank() == 0:
         out["files"] = sorted(n for n in os.listdir(out_dir) if n.endswith(".safetensors"))
-        out["saved"] = diff(LlamaForCausalLM.from_pretrained(out_dir).state_dict(), ref)
+        out["saved"] = max_diff(LlamaForCausalLM.from_pretrained(out_dir).state_dict(), ref)
     engine.load_weights(ref_dir)
-    out["load_weights"] = diff(engine.full_state_dict(), start)
+    out["load_weights"] = max_diff(engine.full_state_dict(), start)
     m.load_state_dict(ref)
-    out["load_state_dict"] = diff(engine.full_state_dict(), ref)
+    out["load_state_dict"] = max_diff(engine.full_state_dict(), ref)
     m.load_state_dict(split_llama(mesh).state_dict())  # DTensor values, laid out as the model's
-    out["load_dtensor_state_dict"] = diff(engine.full_state_dict(), start)
+    out["load_dtensor_state_dict"] = max_diff(engine.full_state_dict(), start)
     m.load_state_dict(ref)
     try:
         engine.load_weights(other_dir)
     except zeroshard.WeightsError as e:
         out["other_shapes"] = str(e)
-    out["after_refusal"] = diff(engine.full_state_dict(), ref)  # nothing written
+    out["after_refusal"] = max_diff(engine.full_state_dict(), ref)  # nothing written
     split = zeroshard.initialize(meta_split_llama(mesh), make_optimizer("sgd"), config={"stage": 3, "tensor_parallel": 2})
     with torch.device("meta"):
         whole = LlamaForCausalLM(llama(False).config)
     unsplit = zeroshard.initialize(whole, make_optimizer("sgd"), config={"stage": 0})
     a, b = split.full_state_dict(), unsplit.full_state_dict()
-    out["meta_keys_match"], out["meta_init"] = sorted(a) == sorted(b), diff(a, b)
+    out["meta_keys_match"], out["meta_init"] = sorted(a) == sorted(b), max_diff(a, b)
     return out
 
 
@@ -282,7 +283,7 @@ def resume(directory):
             paths.append(engine.save_checkpoint(directory, client_state={"step": 1}))
             at_save = engine.full_state_dict()
     full, ref = engine.full_state_dict(), reference("sgd")
-    out = {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref), "client": client,
+    out = {"diff": max_diff(full, ref), "client": client,
            "layout": sorted(os.listdir(directory)), "path": paths[0]}
     import torch.distributed as dist
     if dist.get_rank() == 0:  # export joins the TP ranks' shards into the whole model, offline
@@ -291,7 +292,7 @@ def resume(directory):
         exported = load_file(export(directory, os.path.join(directory, "..", "exported.safetensors"),
                                     progress=lambda line: None))
         out["export_keys_match"] = sorted(exported) == sorted(at_save)
-        out["export_diff"] = max((exported[k] - at_save[k]).abs().max().item() for k in at_save)
+        out["export_diff"] = max_diff(exported, at_save)
         try:
             export(paths[0], os.path.join(directory, "..", "one-rank.safetensors"), progress=lambda line: None)
         except zeroshard.CheckpointError as e:
@@ -370,4 +371,4 @@ def across(world, directory):
     if world == 4:
         return {"saved": engine.save_checkpoint(directory)}
     full, ref = engine.full_state_dict(), reference("sgd")
-    return {"diff": max((full[k] - ref[k]).abs().max().item() for k in ref)}
+    return {"diff": max_diff(full, ref)}

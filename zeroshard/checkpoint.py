@@ -612,7 +612,7 @@ def full_state_dict(engine) -> dict[str, torch.Tensor]:
     _quiesce(engine)
     full = engine.layout.full_values()
     if engine.tp is not None:
-        full = {i: engine.tp.full_tensor(p, full[i]) for i, p in ((id(p), p) for p in engine.params)}
+        full = {id(p): engine.tp.full_tensor(p, full[id(p)]) for p in engine.params}
     return {key: (full[id(obj)] if id(obj) in full else engine.module.get_buffer(key)).detach().cpu().clone()
             for key, obj in engine.state_keys}
 

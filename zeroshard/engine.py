@@ -67,11 +67,14 @@ class Engine:
         if config.tensor_parallel > 1:
             self.tp = TensorParallel(module, config.tensor_parallel, self.device)
         self.comm = Comm(self.device, group=self.tp.dp_group if self.tp else None)
+        # Every rank, TP peers included: what one rank decides or fails at (a plan, an unreadable
+        # file) reaches them all, so none goes on alone.
+        self.world_comm = self.tp.world_comm if self.tp else self.comm
         self.transfer = Transfer(self.device)
         self.plan = self.profile = None
         if config.planned:
             self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
-                                                self.comm, self.tp.broadcast_object if self.tp else None)
+                                                self.comm, self.world_comm)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
@@ -94,8 +97,7 @@ class Engine:
         start = InitialValues(module, self.params, weights, init_fn, config.init_seed)
         if self.tp is not None:
             self.tp.sync_replicated(self.params)
-        every = self.tp.world_comm if self.tp else self.comm  # TP peers too: none may go on alone
-        start.check(every)  # collective: a file a rank cannot read raises on every rank
+        start.check(self.world_comm)  # collective: a file a rank cannot read raises on every rank
         cast_buffers(module, self.dtype, config.buffer_dtype)
         self.state_keys = resolve_state(module, self.device)
         self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
@@ -124,7 +126,7 @@ class Engine:
             self.comm.enable_order_checks()
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
         self.layout.build(order, start.fill, broadcast=start.broadcast)
-        start.finish(every, self.params, self.chunks, self.device)
+        start.finish(self.world_comm, self.params, self.chunks, self.device)
         del start
         self.cache.set_chunks(self.chunks)
         self.optim.attach(self.chunks)

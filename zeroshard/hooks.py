@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .chunks import ChunkState
+from .tensor_parallel import local
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -250,7 +251,7 @@ class ArrivalGuard(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _wait_for(self, t: torch.Tensor) -> None:
-        t = getattr(t, "_local_tensor", t)  # a DTensor parameter: its local shard lives in the chunk
+        t = local(t)  # a DTensor parameter: its local shard lives in the chunk
         if t.layout is torch.strided and not t.is_meta:
             try:
                 ptr = t.untyped_storage().data_ptr()

@@ -481,11 +481,11 @@ def _progress(items, desc: str):
 
 
 # -- the engine's planning glue ------------------------------------------------------------------
-def plan_for(module, example_inputs, make_opt, config, device, comm, broadcast=None) -> tuple[Plan, Profile]:
+def plan_for(module, example_inputs, make_opt, config, device, comm, every=None) -> tuple[Plan, Profile]:
     """The engine's planning (offload/stage "auto"): profile, measure and plan on rank 0; every rank
     gets rank 0's plan, so all build the same chunks even if their measurements would differ.
-    `comm`: the ranks ZeRO shards over; `broadcast`: how rank 0's plan reaches every rank (default
-    over `comm`; with tensor parallelism over the whole world, so every TP rank runs the same plan).
+    `comm`: the ranks ZeRO shards over; `every`: the ranks that take the plan of its rank 0 (default
+    `comm`; with tensor parallelism the whole world, so every TP rank runs the same plan).
     With tensor parallelism the profile is rank 0's part of the split model (its local shards, its
     flops, its activations, its TP collectives); P_a is not modelled (activations are not divided
     by it: an overestimate)."""
@@ -498,7 +498,8 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, broadcast=N
                          "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
     dtype = config.dtype
     mine = None
-    if (comm.rank if broadcast is None else torch.distributed.get_rank()) == 0:
+    every = every or comm
+    if every.rank == 0:
         prof = profile(module, example_inputs, dtype=dtype, device=device)
         hw = probe(device, dtype).with_(device_memory=config.device_memory)
         target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
@@ -508,7 +509,7 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, broadcast=N
         stage = config.stage if config.stage != "auto" else "auto"
         best = planner.plan(stage=stage, offload=config.offload == "auto")
         mine = (best, prof, None if best.fits else planner.why_nothing_fits(best))
-    best, prof, why = (broadcast or comm.broadcast_object)(mine)
+    best, prof, why = every.broadcast_object(mine)
     if why is not None:
         raise RuntimeError(f"zeroshard: {why}")
     return best, prof

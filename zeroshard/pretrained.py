@@ -205,7 +205,7 @@ def agree(comm, problems: list[str], error=WeightsError, what: str = "") -> None
 def load_weights(engine, path, strict: bool = True) -> Match:
     """See Engine.load_weights."""
     problems, m = [], None
-    comm = engine.tp.world_comm if engine.tp else engine.comm  # a rank alone must not stop
+    comm = engine.world_comm  # a rank alone must not stop
     try:
         files = WeightFiles(path)
         shapes = {id(p): whole_shape(p, engine.shapes[id(p)]) for p in engine.params}
@@ -260,7 +260,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
     """See Engine.save_pretrained."""
     path = os.path.abspath(os.fspath(path))
     # Every rank holds every value once gathered, so the files are shared out over the whole world.
-    comm, limit = engine.tp.world_comm if engine.tp else engine.comm, shard_size(max_shard_size)
+    comm, limit = engine.world_comm, shard_size(max_shard_size)
     module = engine.module.get_submodule(submodule)  # AttributeError naming it when there is none
     prefix = submodule + "." if submodule else ""
     key_of = lambda name: name[len(prefix):] if name.startswith(prefix) else None  # noqa: E731

@@ -180,12 +180,6 @@ class TensorParallel:
                 split[names[id(p)]] = {"shape": list(p.shape), "dim": placement.dim if type(placement) is Shard else None}
         return {"degree": self.degree, "rank": self.rank, "split": split}
 
-    def broadcast_object(self, obj):
-        """Collective over the whole world: global rank 0's picklable `obj` (the plan)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def checkpoint_root(self, root) -> str:
         """Where this TP rank's data-parallel group keeps its checkpoints under `root`: each group
         saves its own local shards, an ordinary zeroshard checkpoint of 1/MP of the model."""
