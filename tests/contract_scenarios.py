@@ -244,27 +244,6 @@ for _when in ("before_forward", "after_steps"):
             lambda rank, world, stage=_stage, when=_when: requires_grad_changes(rank, world, make_adamw, stage, when))
 
 
-def unfreeze_frozen_at_initialize(rank, world, stage):
-    """A parameter frozen when initialize ran has no gradient buffer or optimizer state: setting
-    requires_grad on it later raises FrozenParameterError at the next forward, on every rank
-    (issue 14, defect 1: its gradients piled up in .grad and were never applied)."""
-    model = tiny_gpt2()
-    p = model.get_parameter(FROZEN)
-    p.requires_grad_(False)
-    engine = zeroshard.initialize(model, make_adamw, {"stage": stage, "chunk_size": 20000})
-    x = batches(1, world, 2)[0, 0, rank]
-    engine.backward(loss_of(engine, x))
-    engine.step()
-    p.requires_grad_(True)
-    loss_of(engine, x)
-    return {"raised": False}
-
-
-for _stage in range(4):
-    SCENARIOS[f"unfreeze_frozen_stage{_stage}"] = (lambda rank, world, stage=_stage:
-                                                   unfreeze_frozen_at_initialize(rank, world, stage))
-
-
 class Gated(torch.nn.Module):
     """y = head(tanh(a(h) [+ b(h)])): `b` runs only where asked (dynamic control flow)."""
 

@@ -101,7 +101,7 @@ def plain_loop(rank: int, world: int, stage: int) -> dict:
             engine.backward(engine(input_ids=x[idx], labels=x[idx]).loss)
         engine.step()
         sched.step()
-    return engine.full_state_dict()
+    return engine.full_state_dict(), engine.stats()["comm_elements"]
 
 
 def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = None,
@@ -153,8 +153,9 @@ def run(rank: int, world: int, out_path: str) -> None:
             trainer, module = fit(rank, world, stage, out, **config)
             engine = trainer.strategy.engine
             full = {key(k): v for k, v in engine.full_state_dict().items()}
-            plain = plain_loop(rank, world, stage)
-            res = {"vs_plain": max_diff(full, plain), "global_step": trainer.global_step}
+            plain, plain_comm = plain_loop(rank, world, stage)
+            res = {"vs_plain": max_diff(full, plain), "global_step": trainer.global_step,
+                   "comm_per_step": engine.stats()["comm_elements"], "plain_comm_per_step": plain_comm}
             if rank == 0:
                 torch.save(full, os.path.join(root, f"{name}.pt"))
                 rows = metrics_csv(trainer)

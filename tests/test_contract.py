@@ -92,13 +92,6 @@ def test_a_parameter_frozen_after_initialize_is_not_stepped(res, when, stage):
 
 
 @pytest.mark.parametrize("stage", range(4))
-def test_unfreezing_a_parameter_frozen_at_initialize_raises(res, stage):
-    r, _ = res
-    got = r[f"unfreeze_frozen_stage{stage}"]
-    assert got.get("error", "").startswith("FrozenParameterError"), got
-
-
-@pytest.mark.parametrize("stage", range(4))
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_a_module_skipped_in_some_steps_is_left_alone(res, opt, stage):
     r, _ = res

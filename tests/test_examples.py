@@ -32,6 +32,24 @@ def test_the_readme_trainer_example_runs(tmp_path):
     assert "zeroshard/tokens_per_s" in run.stdout + run.stderr
 
 
+def test_the_readme_lora_example_runs(tmp_path):
+    """LoRA through peft at stage 3 on 2 ranks; the adapters saved in peft's format open with
+    PeftModel.from_pretrained and hold the trained values (lora_B starts at zero in peft)."""
+    peft = pytest.importorskip("peft")
+    assert _readme_has("lora.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          os.path.join(EXAMPLES, "lora.py")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(tmp_path / "lora-adapter"))
+    import transformers
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                         intermediate_size=128, num_attention_heads=4, vocab_size=128))
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "lora-adapter")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 4 and all(p.abs().sum() > 0 for p in lora_b)  # trained away from zero
+
+
 def test_the_readme_lightning_example_runs(tmp_path):
     pytest.importorskip("lightning")
     assert _readme_has("lightning_fit.py")

@@ -43,6 +43,15 @@ def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
 
 
 @pytest.mark.parametrize("name", RUNS)
+def test_lightning_reduces_once_per_optimizer_step_where_the_stage_allows(runs, name):
+    """Issue 29, defect 4: Lightning's block_backward_sync is the engine's no_sync: the traffic of
+    a step equals the plain loop's with the engine's own accumulation (stages 0-1 reduced every
+    micro-batch before: 2x at accumulate_grad_batches=2)."""
+    got = runs[name]
+    assert got["comm_per_step"] == got["plain_comm_per_step"] > 0
+
+
+@pytest.mark.parametrize("name", RUNS)
 def test_lightning_trains_what_single_process_pytorch_trains_on_the_global_batch(runs, name):
     assert max_diff(runs["state"][name], runs["reference_state"]) <= ADAMW_TOL
     norms = grad_norms(runs[name]["logged"])

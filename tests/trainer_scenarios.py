@@ -108,7 +108,7 @@ def plain_loop(rank: int, world: int, stage: int, out: str) -> dict:
             engine.backward(engine(input_ids=batch, labels=batch, num_items_in_batch=batch.numel()).loss)
         engine.step()
         sched.step()
-    return engine.full_state_dict()
+    return engine.full_state_dict(), engine.stats()["comm_elements"]
 
 
 def trainer_run(rank: int, world: int, stage: int, out: str, resume: str | None = None, **kw) -> dict:
@@ -118,7 +118,8 @@ def trainer_run(rank: int, world: int, stage: int, out: str, resume: str | None 
                               zeroshard_config={"stage": stage})
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"trainer": trainer, "state": trainer.engine.full_state_dict(), "logs": logs}
+    comm = trainer.engine.stats()["comm_elements"]  # the last optimizer step's
+    return {"trainer": trainer, "state": trainer.engine.full_state_dict(), "logs": logs, "comm": comm}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -126,19 +127,24 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def run(rank: int, world: int, out_path: str) -> None:
-    """World 2: Trainer and plain loop at stages 2 and 3, save_model, evaluate and predict; world 1:
-    the reference, and the Trainer resumed from the world-2 stage-3 run's step-5 checkpoint."""
+    """World 2: Trainer and plain loop at stages 0-3 (their traffic per optimizer step); at stages 2
+    and 3 also save_model, evaluate and predict; world 1: the reference, and the Trainer resumed
+    from the world-2 stage-3 run's step-5 checkpoint."""
     import transformers
     transformers.logging.set_verbosity_error()
     root = os.path.dirname(out_path)
     results = {}
     if world == 2:
-        for stage in (2, 3):
+        for stage in (0, 1, 2, 3):
             out = os.path.join(root, f"stage{stage}")
-            got = trainer_run(rank, world, stage, out)
-            plain = plain_loop(rank, world, stage, out + "-plain")
+            got = trainer_run(rank, world, stage, out, **({} if stage >= 2 else {"save_steps": STEPS}))
+            plain, plain_comm = plain_loop(rank, world, stage, out + "-plain")
             trainer = got["trainer"]
-            res = {"state_vs_plain": max_diff(got["state"], plain), "logs": got["logs"]}
+            res = {"state_vs_plain": max_diff(got["state"], plain), "logs": got["logs"],
+                   "comm_per_step": got["comm"], "plain_comm_per_step": plain_comm}
+            if stage < 2:  # the traffic, and the model against the plain loop's, is what these add
+                results[f"stage{stage}"] = res
+                continue
             torch.save(got["state"], os.path.join(root, f"trainer_stage{stage}.pt")) if rank == 0 else None
             trainer.save_model(os.path.join(out, "final"))
             if rank == 0:

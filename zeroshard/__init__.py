@@ -19,10 +19,10 @@ from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
 from .hooks import ShardedParameterError
-from .layout import FrozenParameterError
 from .materialize import UninitializedTensorError
 from .module_state import GradientsInChunksError, ModuleMovedError
 from .optimizer import NonFiniteError
+from .param_groups import FrozenParameterError
 from .pretrained import WeightsError
 from .profiler import Profile, profile
 from .tensor_parallel import device_mesh

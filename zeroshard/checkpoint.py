@@ -758,6 +758,9 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
         _check_optimizer(engine, found, kinds, extra["param_groups"])
     # A new chunk layout (if it was not fixed yet) changes no value: refusing after it changes nothing.
     _fix_layout(engine, [n for n, _, _ in meta["params"]])
+    # A parameter frozen at initialize whose optimizer state the checkpoint holds (unfrozen before
+    # the save): its chunk becomes trainable, so the state has somewhere to go.
+    engine.thaw(frozenset(kinds))
     saved = SafeReader(found).read_metadata().state_dict_metadata
     small = _small_state(engine, kinds, meta, saved)
     dcp_load(small, found, comm)

@@ -228,6 +228,29 @@ class Chunk:
         if not any(s.param.is_meta for s in slots):  # meta parameters: once every chunk is built
             self.attach_params()
 
+    @torch.no_grad()
+    def make_trainable(self) -> None:
+        """A frozen chunk one of whose parameters was unfrozen after initialize (gradual
+        unfreezing) gets what trainable chunks have: an fp32 master of its owned range, taken from
+        the values it holds (in 16-bit training, the 16-bit copies: a frozen chunk keeps no fp32
+        one), gradient buffers, and master pieces, whose optimizer state starts empty as torch's
+        does for a parameter it has not stepped. Its parameters still frozen get no gradient and
+        are not stepped."""
+        if self.trainable:
+            return
+        self.trainable = True
+        if self.master_is_shard:
+            self.master = self.shard
+        else:
+            n = self.owned_range[1] - self.owned_range[0]
+            self.master = self.transfer.host_empty(n, torch.float32) if self.placement.optimizer_on_host \
+                else torch.empty(n, dtype=torch.float32, device=self.device)
+            self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
+        self.pieces = self._master_pieces()
+        if self.stage <= 1:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self.expected_grads = len(self.slots)
+
     def attach_params(self) -> None:
         """Point the parameters at this chunk: at their views of the full chunk (stages 0-2), or at
         nothing (stage 3), which frees the storage they had as built at once, not at a first gather."""

@@ -14,15 +14,19 @@ Every collective zeroshard issues goes through `Comm`, which
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from .ordering import (OTHER, CollectiveTimeoutError, DivergedError, OrderCheck, Sequencer,  # noqa: F401 (errors:
-                       check_group, describe_tag, has_check_group, order_tag, wait_for)  # public here)
+                       check_group, describe_tag, forget_check_groups, has_check_group, order_tag,  # public here)
+                       wait_for)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
@@ -67,6 +71,9 @@ def init_process_group(device: torch.device | None = None, timeout_s: float | No
             warnings.warn(f"zeroshard: the process group was made with a timeout of {theirs.total_seconds():g} s, "
                           f"longer than collective_timeout_s={timeout_s:g}: a stopped rank keeps the others waiting "
                           "that long (pass timeout= to init_process_group, or let zeroshard make the group)")
+    if not _exit_hook[0]:
+        atexit.register(_take_down_groups)
+        _exit_hook[0] = True
     if dist.is_available() and not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         cuda = device is not None and device.type == "cuda"
         shared = cuda and shares_gpus()
@@ -75,6 +82,28 @@ def init_process_group(device: torch.device | None = None, timeout_s: float | No
                           "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
         backend = "nccl" if cuda and not shared else "gloo"
         dist.init_process_group(backend, timeout=_timeout[0])
+
+
+_exit_hook = [False]  # _take_down_groups is registered
+_comms: weakref.WeakSet = weakref.WeakSet()  # every Comm of this process
+
+
+def _take_down_groups() -> None:
+    """At interpreter exit, while Python is still whole: every process group goes, and with it
+    gloo's worker threads. Left to the interpreter's teardown, a worker that drops the last
+    reference to a finished collective's tensor a moment late must take the GIL to release its
+    Python object; CPython then ends that thread with pthread_exit, whose unwinding through torch's
+    C++ frames aborts the process ("terminate called without an active exception", SIGABRT) after
+    a finished run. Only a group's destructor joins its workers, so zeroshard's own references go
+    first (each Comm's groups, the check groups), then every group (as torch asks a program to do
+    before it exits; Lightning does it for NCCL). Registered by the first init_process_group; an
+    atexit handler registered earlier (the user's, Lightning's) runs after it and finds no group."""
+    for comm in list(_comms):
+        comm.close()
+    forget_check_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups held in reference cycles: their destructors run now, not in the teardown
 
 
 def _group_timeout(group) -> datetime.timedelta | None:
@@ -143,6 +172,14 @@ class Comm:
         # gloo carries CUDA tensors through host copies (see init_process_group)
         self.staged = self.gloo and device.type == "cuda"
         self.control_device = torch.device("cpu") if self.staged else device
+        self.closed = False  # close() let go of the groups
+        _comms.add(self)
+
+    def close(self) -> None:
+        """Let go of the process groups (at interpreter exit: _take_down_groups); a collective
+        after this raises."""
+        self.group = self.sequencer = None
+        self.closed = True
 
     def enable_order_checks(self) -> None:
         """Collective, at set-up: from now on a collective given a `tag` is issued only once every
@@ -173,6 +210,8 @@ class Comm:
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
         over, its caller having compared a tag for the batch (ordering.PUBLISH)."""
+        if self.closed:
+            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
         what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
             (lambda: "finish a collective" + self._where())
         if self.sequencer is None:

@@ -89,6 +89,13 @@ class Config:
         that all ranks of a TP group hold alike (with activation checkpointing: the checkpoints) is
         kept 1/N per rank and all-gathered over the TP group when backward needs it; with
         offload_activations the part waits on the host (P_a+cpu).
+    leaf_modules: the modules stage 3 gathers as one unit with their whole subtree (units.py): a
+        list of class names ('SwitchTransformersSparseMLP') and qualified module names
+        ('encoder.block.1.layer.1.mlp'), and 'auto' for the mixture-of-experts blocks found in the
+        model (a ModuleList/ModuleDict of same-shaped experts beside a router); 'auto' alone is the
+        default, [] none. A mixture of experts with one module per expert needs its blocks to be
+        leaves at stage 3: each rank runs only the experts its tokens were routed to, and
+        gathering per expert would make ranks gather different chunks (DivergedError).
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -120,6 +127,7 @@ class Config:
     log_every: int = 0
     tensor_parallel: int = 1
     partition_activations: bool = False
+    leaf_modules: str | tuple[str, ...] = "auto"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -215,6 +223,12 @@ class Config:
             if self.prefetch is not True:
                 warnings.warn(f"zeroshard config: prefetch={self.prefetch} has no effect at stage {self.stage}: "
                               "only stage 3 gathers (and prefetches) chunks", stacklevel=3)
+        if isinstance(self.leaf_modules, (list, tuple)):
+            if not all(isinstance(n, str) and n for n in self.leaf_modules):
+                bad("leaf_modules", "'auto', or a list of class names, qualified module names and 'auto'")
+            object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
+        elif self.leaf_modules != "auto":
+            bad("leaf_modules", "'auto', or a list of class names, qualified module names and 'auto'")
         if not is_int(self.tensor_parallel) or self.tensor_parallel < 1:
             bad("tensor_parallel", "an integer >= 1 (ranks per tensor-parallel group)")
         if not isinstance(self.partition_activations, bool):

@@ -25,10 +25,13 @@ from .chunks import Chunk, auto_chunk_size
 from .collectives import Comm, init_process_group
 from .config import Config
 from .hardware import default_device
-from .hooks import ArrivalHooks, Stage3Hooks, direct_params, weak_method
+from .arrival import ArrivalHooks
+from .hooks import Stage3Hooks, weak_method
+from .units import direct_params, leaf_modules
 from .layout import ChunkLayout, list_parameters, resolve_state
 from .materialize import InitialValues
-from .module_state import StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad
+from .module_state import (StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad,
+                           sync_generation)
 from .offload import Placement, Transfer
 from .ordering import STEP
 from .optimizer import LossScaler, ShardedOptimizer, as_factory, default_optimizer
@@ -71,10 +74,12 @@ class Engine:
         # file) reaches them all, so none goes on alone.
         self.world_comm = self.tp.world_comm if self.tp else self.comm
         self.transfer = Transfer(self.device)
+        # Modules stage 3 gathers whole (units.py): mixture-of-experts blocks, or the config's
+        self.leaves = leaf_modules(module, config.leaf_modules)
         self.plan = self.profile = None
         if config.planned:
             self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
-                                                self.comm, self.world_comm)
+                                                self.comm, self.world_comm, leaves=self.leaves)
             # The config that runs: what the plan chose (its placement per chunk is applied below).
             config = dataclasses.replace(config, offload=False, **self.plan.config())
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
@@ -86,6 +91,7 @@ class Engine:
         self.phase = TrainingPhase.IDLE
         self.micro_steps = 0
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
+        self._sync = True  # False inside no_sync()
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()
@@ -133,28 +139,38 @@ class Engine:
 
         self.hooks = None
         if self.stage == 3:
+            if self.leaves and self.comm.rank == 0:
+                log.info("stage 3 gathers these modules whole (leaf_modules): %s",
+                         ", ".join(sorted({type(m).__name__ for m in self.leaves})))
             self.hooks = Stage3Hooks(module, self.cache, self.layout.chunks_of, self.names, self.shapes, self.dtype,
-                                     on_borrow=self.layout.forget)
-            hooks, real = self.hooks, self.hooks.real
-            self.layout.real_params = lambda m: hooks.params_of(m) if m in real else direct_params(m)
+                                     on_borrow=self.layout.forget, leaves=self.leaves,
+                                     on_leaf_backward=weak_method(self._leaf_backward_done))
+            hooks = self.hooks
+            self.layout.real_params = lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m)
         route_zero_grad(module, weak_method(self.zero_grad))
+        if (self.stage == 3 and self.comm.world > 1) or self.tp is not None:  # a forward is a collective
+            sync_generation(module)
         guard_moves(module, lambda layout=self.layout: layout.chunks)
         guard_grad_readers(list(self.params) + ([t for ts in self.hooks.placeholders.values() for _, t in ts]
                                                 if self.hooks else []))
         layout = self.layout  # the hooks below live on the module: no reference to the engine itself
-        self.loading = StateDictLoading(module, (lambda m: real[m]) if self.hooks else direct_params,
+        self.loading = StateDictLoading(module, self.hooks.direct_real if self.hooks else direct_params,
                                         lambda: layout.slot_of, self.hooks, weak_method(self._before_load))
         self._arrivals = ArrivalHooks(module, self.layout.chunks_of) \
             if self.stage in (1, 2) and (self.comm.world > 1 or delayed) else None
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
-        grad_arrived = weak_method(self._grad_arrived)  # a dropped engine must not live on in autograd
+        # A dropped engine must not live on in autograd: a weak method. Parameters unfrozen later get
+        # it then (_follow_requires_grad).
+        self._grad_arrived_hook = weak_method(self._grad_arrived)
+        self._hooked: set[int] = set()
         for p in self.params:
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(grad_arrived)
+                p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
+                self._hooked.add(id(p))
         # The prefetch schedule is recorded over the first micro-batch that runs entirely on the
         # final packing (layout.py: chunks are re-packed in order of first use after the first).
-        self.layout.record_first_use(module)
+        self.layout.record_first_use(module, self.leaves)
         partition = PartitionedActivations(self.tp.comm, self.transfer, config.offload_activations) \
             if config.partition_activations else None
         self.saved = SavedTensorHooks(self.device, self.transfer, self.hooks, lambda: self.chunks,
@@ -184,7 +200,7 @@ class Engine:
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: forward called while the engine is in {self.phase.value}")
         if torch.is_grad_enabled():
-            self.layout.check_frozen()
+            self._follow_requires_grad()
         self.comm.pass_index = self.micro_steps
         self.phase = TrainingPhase.FORWARD
         if torch.is_grad_enabled() and self.module.training:
@@ -214,6 +230,29 @@ class Engine:
         return out
 
     forward = __call__
+
+    def thaw(self, names=frozenset()) -> None:
+        """Make trainable the frozen chunks holding a parameter that now requires a gradient, or
+        one named in `names` (a checkpoint holding its optimizer state); a delayed update in flight
+        lands first."""
+        chunks = self.layout.unfrozen(names)
+        if chunks:
+            self.apply_delayed_update()
+            self.layout.thaw(chunks)
+            self.optim.adopt(self.chunks, chunks)
+
+    def _follow_requires_grad(self) -> None:
+        """Gradual unfreezing: a parameter set to require a gradient since initialize trains from
+        this forward on, as in torch. Its chunk, if frozen, becomes trainable (Chunk.make_trainable;
+        a delayed update in flight lands first) and the optimizer starts stepping it with no state;
+        its gradients go into the chunk. Freezing again needs nothing: no gradient, no step."""
+        new = [p for p in self.params if p.requires_grad and id(p) not in self._hooked]
+        if not new:
+            return
+        self.thaw()
+        for p in new:
+            p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
+            self._hooked.add(id(p))
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
         """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
@@ -250,6 +289,21 @@ class Engine:
         if self.phase is TrainingPhase.BACKWARD:  # not ended by autograd's callback (see _grad_arrived)
             self._end_backward()
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside it accumulate gradients without reducing them (DDP's no_sync):
+        at stages 0-1 each rank keeps its own sum until the first backward outside it, or the step,
+        reduces them once, so an accumulation window of N micro-batches costs one reduction, not N.
+        Stages 2-3 keep only their shard of the gradient, so they reduce-scatter in every backward
+        inside it too. The HF Trainer (through accelerate) and Lightning call it for every
+        micro-batch of a window but the last; the engine's own gradient_accumulation_steps does the
+        same without it."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
     def _begin_backward(self, by_autograd: bool = False) -> None:
         if by_autograd:  # the first gradient of a plain `loss.backward()`
             if self.scaler is not None:
@@ -262,7 +316,7 @@ class Engine:
         assert self.phase is TrainingPhase.IDLE, self.phase
         self.phase = TrainingPhase.BACKWARD
         self.comm.pass_index = self.micro_steps
-        self.reducer.begin(self.chunks, self.micro_steps)
+        self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync)
 
     def _abandon_backward(self) -> None:
         """A backward raised: drop its reductions so the engine can go on. Gradients it already
@@ -301,6 +355,17 @@ class Engine:
         if self.hooks is not None:
             self.hooks.grad_arrived(p)
 
+    def _leaf_backward_done(self, params) -> None:
+        """Stage 3: the gradient went back through a leaf unit; its parameters without a gradient
+        get none in this backward (GradientReducer.assume_arrived)."""
+        if self.phase is not TrainingPhase.BACKWARD:
+            return
+        for p in params:
+            chunk, slot = self.layout.slot_of[id(p)]
+            if chunk.trainable:
+                self.reducer.assume_arrived(chunk, slot)
+        self.reducer.start_complete()
+
     def step(self) -> bool:
         """At the end of a gradient accumulation window, apply the update and clear gradients.
         Returns True when an update was applied (False between boundaries, or when a non-finite
@@ -314,10 +379,14 @@ class Engine:
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
         try:
+            if self.reducer.unreduced:  # the window's last backward ran under no_sync()
+                self.comm.pass_index = self.micro_steps
+                self.reducer.reduce_unreduced(self.chunks)
             applied = self.optim.step()
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
             self.phase = TrainingPhase.IDLE
             self.optim.zero_grads()
+            self.reducer.cleared()
             self.grads_pending = False
         if self.stage == 3:
             self.cache.flush()
@@ -366,6 +435,7 @@ class Engine:
             raise RuntimeError(f"zeroshard: zero_grad() called while the engine is in {self.phase.value}")
         if self.grads_pending or any(c.slots_with_grad for c in self.optim.chunks):
             self.optim.zero_grads()
+            self.reducer.cleared()
             self.grads_pending = False
 
     def train(self, mode: bool = True) -> "Engine":
@@ -407,7 +477,9 @@ class Engine:
         masters (`dtype` converts floating ones), tied weights written once; streamed a chunk at a
         time, file i written by rank i mod world, so no rank holds the model (pretrained.py).
         `submodule`: write only that submodule (e.g. "model", the transformers model inside a
-        LightningModule), its keys without the prefix, with its config. Returns the folder."""
+        LightningModule), its keys without the prefix, with its config. A peft model (LoRA) writes
+        its adapters in peft's own format instead, gathering only the chunks that hold them
+        (PeftModel.from_pretrained opens the folder). Returns the folder."""
         from .pretrained import save_pretrained
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")

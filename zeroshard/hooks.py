@@ -27,11 +27,10 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .chunks import ChunkState
-from .tensor_parallel import local
+from .units import direct_params, unit_members
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -138,24 +137,24 @@ def weak_method(method):
     return call
 
 
-def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in module._parameters.items() if p is not None]
-
-
 class FirstUseRecorder:
-    """Records parameters in order of first use during one forward pass."""
+    """Records parameters in order of first use during one forward pass. A leaf unit (units.py)
+    uses its whole subtree at once, in module order, whichever of its submodules run: so its
+    experts pack together, and alike on every rank."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, leaves=()):
         self.order: list[nn.Parameter] = []
         self._seen: set[int] = set()
-        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules()
-                         if direct_params(m)]
+        units = unit_members(model, list(leaves))
+        self._handles = [m.register_forward_pre_hook(lambda m, args, members=members: self._use(members))
+                         for m, members in units.items() if members]
 
-    def _pre(self, module, args):
-        for _, p in direct_params(module):
-            if id(p) not in self._seen and not isinstance(p, ShardedPlaceholder):
-                self._seen.add(id(p))
-                self.order.append(p)
+    def _use(self, members):
+        for module in members:
+            for _, p in direct_params(module):
+                if id(p) not in self._seen and not isinstance(p, ShardedPlaceholder):
+                    self._seen.add(id(p))
+                    self.order.append(p)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -163,177 +162,117 @@ class FirstUseRecorder:
         self._handles = []
 
 
-class ArrivalHooks:
-    """Stages 1-2: after a step, the updated chunks *arrive* (their all-gather, and with the delayed
-    update their upload, still in flight: `Chunk.arriving`) while the next forward runs. Each
-    module's forward first waits for its own chunks (on the device where it can), so later chunks'
-    gathers overlap earlier modules' compute.
-
-    Code may also read a parameter outside its module's forward before it arrived: a logging or EMA
-    line after step(), state_dict(), a parent module's forward reading a child's weight. While
-    chunks are arriving, a torch function mode (`ArrivalGuard`) therefore sees every torch call and
-    first waits for the chunks of the tensors it is given. It is armed by `arm()` after a step and
-    removed once every chunk has arrived (at the latest when the forward ends: `settle()`), so
-    calls outside that window pay nothing. Stage 3 waits in the gather instead."""
-
-    def __init__(self, model: nn.Module, chunks_of):
-        self.chunks_of = chunks_of
-        self.guard = ArrivalGuard()
-        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules() if direct_params(m)]
-
-    def arm(self, chunks) -> None:
-        """Guard reads of the chunks now arriving (call after publishing an update)."""
-        self.guard.watch([c for c in chunks if c.arriving is not None])
-
-    def _pre(self, module, args):
-        if self.guard.armed:
-            for c in self.chunks_of(module):
-                self.guard.arrived(c)
-
-    def settle(self) -> None:
-        """Wait for every chunk still arriving and remove the guard."""
-        self.guard.watch([])
-
-    def remove(self) -> None:
-        self.settle()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-class ArrivalGuard(TorchFunctionMode):
-    """See ArrivalHooks. Chunks are matched by storage: a parameter (or any view of it) shares its
-    chunk's storage, so one lookup per tensor argument finds it."""
-
-    def __init__(self):
-        super().__init__()
-        self.pending: dict[int, object] = {}  # storage address -> chunk whose data is arriving
-        self.armed = False  # on the torch function mode stack
-
-    def watch(self, chunks) -> None:
-        """Wait for the chunks watched so far; then watch `chunks` (armed iff there are any)."""
-        for c in list(self.pending.values()):
-            c.await_arrival()
-        if chunks and not self.armed:
-            self._sweep()
-        if not self.armed and torch._C._len_torch_function_stack():
-            # A mode entered before step() would pop this one at its exit: no overlap then.
-            for c in chunks:
-                c.await_arrival()
-            chunks = []
-        self.pending = {c.full.untyped_storage().data_ptr(): c for c in chunks}
-        if self.pending and not self.armed:
-            torch._C._push_on_torch_function_stack(self)
-            self.armed = True
-        elif not self.pending:
-            self._disarm()
-
-    def arrived(self, chunk) -> None:
-        """Wait for `chunk`; once nothing is pending, leave the mode stack."""
-        if self.pending.pop(chunk.full.untyped_storage().data_ptr(), None) is not None:
-            chunk.await_arrival()
-        if not self.pending:
-            self._disarm()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.pending:
-            # Every torch call of the forward comes through here while chunks arrive: a tensor is
-            # looked for among the arguments and one level into lists and tuples (torch.cat's
-            # operands), not with a full pytree walk, which cost a tenth of the forward.
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    self._wait_for(a)
-                elif isinstance(a, (list, tuple)):
-                    for t in a:
-                        if isinstance(t, torch.Tensor):
-                            self._wait_for(t)
-        return func(*args, **kwargs)
-
-    def _wait_for(self, t: torch.Tensor) -> None:
-        t = local(t)  # a DTensor parameter: its local shard lives in the chunk
-        if t.layout is torch.strided and not t.is_meta:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except RuntimeError:  # a wrapper subclass with no storage of its own (an async collective's)
-                return
-            c = self.pending.pop(ptr, None)
-            if c is not None:
-                c.await_arrival()
+class _AfterUnitBackward(torch.autograd.Function):
+    """Identity on a leaf unit's inputs: its backward runs once the gradient has gone back through
+    the whole unit (autograd runs a unit's nodes, and the accumulation of its parameters'
+    gradients, before the node that made its inputs), on every rank at the same point whatever
+    experts ran, which is when the unit's hold ends (FSDP2 ends a module's backward the same way)."""
 
     @staticmethod
-    def _stack() -> list:
-        return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
 
-    def _sweep(self) -> None:
-        """Take other guards off the stack (an engine dropped between a step and the next forward
-        leaves its guard there; its reads were all waited for or will be now)."""
-        for m in self._stack():
-            if isinstance(m, ArrivalGuard) and m is not self:
-                m.watch([])
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
 
-    def _disarm(self) -> None:
-        """Leave the mode stack, putting back the modes a user entered above this one since (their
-        own exits pop them later, in order)."""
-        if not self.armed:
-            return
-        self.armed = False
-        if not any(m is self for m in self._stack()):  # already popped
-            return
-        above = []
-        while (m := torch._C._pop_torch_function_stack()) is not self:
-            above.append(m)
-        for m in reversed(above):
-            torch._C._push_on_torch_function_stack(m)
+
+def _outputs(out, real: dict[int, nn.Parameter]):
+    """The tensors a unit's forward returned, found through pytree containers and, one level down,
+    the attributes of plain objects; and `out` with every parameter of `real` (id -> parameter) in
+    it replaced by a view of it (an object's attribute is replaced in place: it cannot be rebuilt),
+    or None when it returned none."""
+    flat, spec = tree_flatten(out)
+    tensors, found = [], False
+    for i, t in enumerate(flat):
+        if isinstance(t, torch.Tensor):
+            if id(t) in real:
+                flat[i] = t = t.view_as(t)
+                found = True
+            tensors.append(t)
+        elif hasattr(t, "__dict__") and not isinstance(t, (type, nn.Module)):
+            for k, v in list(vars(t).items()):
+                if isinstance(v, torch.Tensor):
+                    if id(v) in real:
+                        v = v.view_as(v)
+                        setattr(t, k, v)
+                        found = True
+                    tensors.append(v)
+    return tensors, (tree_unflatten(flat, spec) if found else None)
 
 
 class Stage3Hooks:
-    """Installs and runs the stage-3 module hooks. `chunks_of(module)` gives the chunks holding a
-    module's parameters, `params_of(module)` (it changes if the engine re-packs chunks);
-    `on_borrow(module)` is told when a module's parameters grew by a borrowed one."""
+    """Installs and runs the stage-3 module hooks, one pair per unit (units.py). `chunks_of(unit)`
+    gives the chunks holding a unit's parameters, `params_of(unit)` (it changes if the engine
+    re-packs chunks); `on_borrow(unit)` is told when a unit's parameters grew by a borrowed one;
+    `on_leaf_backward(params)` when the gradient has gone back through a leaf unit with these
+    parameters (those that got none will get none in this pass)."""
 
     def __init__(self, model: nn.Module, cache, chunks_of, names: dict[int, str],
-                 shapes: dict[int, torch.Size], dtype: torch.dtype, on_borrow=lambda module: None):
+                 shapes: dict[int, torch.Size], dtype: torch.dtype, on_borrow=lambda module: None,
+                 leaves=(), on_leaf_backward=lambda params: None):
         self.cache = cache
         self.chunks_of = chunks_of
-        # The root too, parameters or not: a parameter read in its forward outside the module that
-        # holds it (nn.ParameterList's, F.linear(x, self.child.weight)) is borrowed by it.
-        self.modules = [m for m in model.modules() if direct_params(m) or m is model]
-        self.real: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}
-        self.placeholders: dict[nn.Module, list[tuple[str, ShardedPlaceholder]]] = {}
-        self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> modules that register it
-        # module -> (owner module, name, parameter) it borrowed (see the module docstring)
+        self.units = unit_members(model, list(leaves))  # unit -> modules whose own parameters it gathers
+        self.leaves = {m for m in leaves}
+        self.unit_of = {member: unit for unit, members in self.units.items() for member in members}
+        self.direct: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}  # member -> its own parameters
+        self.placeholders: dict[nn.Module, list[tuple[str, ShardedPlaceholder]]] = {}  # member -> stand-ins
+        self.real: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}  # unit -> every parameter it gathers
+        self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> units that gather it
+        # unit -> (owner module, name, parameter) it borrowed (see the module docstring)
         self.borrowed: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
         self._slot: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
         self.on_borrow = on_borrow
+        self.on_leaf_backward = on_leaf_backward
         borrow = weak_method(self.borrow)
-        for m in self.modules:
-            self.real[m] = direct_params(m)
-            self.placeholders[m] = [(n, ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)]))
-                                    for n, p in self.real[m]]
-            for (n, p), (_, t) in zip(self.real[m], self.placeholders[m]):
-                self.owners.setdefault(id(p), []).append(m)
-                self._slot[id(t)] = (m, n, p)
-                t._zs_borrow, t._zs_param = borrow, p
-            self._swap(m, self.placeholders[m])
-        self.held: dict[nn.Module, set[int]] = {}  # module -> ids of params whose grads are pending
-        # Module calls whose forward started but has not ended. Non-reentrant checkpointing stops a
+        for unit, members in self.units.items():
+            seen = set()
+            self.real[unit] = []
+            for m in members:
+                self.direct[m] = direct_params(m)
+                self.placeholders[m] = [(n, ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)]))
+                                        for n, p in self.direct[m]]
+                for (n, p), (_, t) in zip(self.direct[m], self.placeholders[m]):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self.real[unit].append((n, p))
+                        self.owners.setdefault(id(p), []).append(unit)
+                    self._slot[id(t)] = (m, n, p)
+                    t._zs_borrow, t._zs_param = borrow, p
+            self._swap(unit, real=False)
+        # unit -> ids of params whose grads are pending; None: a leaf, whose hold ends when the
+        # gradient reaches its inputs (_AfterUnitBackward)
+        self.held: dict[nn.Module, set[int] | None] = {}
+        # Unit calls whose forward started but has not ended. Non-reentrant checkpointing stops a
         # recomputation early by raising inside the forward, so some never end: they are closed
         # when backward ends (and an exception in a user's forward leaves some for the next call).
         self.active: list[nn.Module] = []
         self.in_backward = False
         self._handles = []
-        for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+        for m in self.units:
+            if m in self.leaves:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward_leaf, with_kwargs=True))
+            else:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
             self._handles.append(m.register_forward_hook(self._post_forward))
 
-    def params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """A module's direct parameters and those it borrowed."""
-        return self.real[module] + [(n, p) for _, n, p in self.borrowed.get(module, ())]
+    def is_unit(self, module: nn.Module) -> bool:
+        return module in self.real
+
+    def params_of(self, unit: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """A unit's parameters and those it borrowed."""
+        return self.real[unit] + [(n, p) for _, n, p in self.borrowed.get(unit, ())]
+
+    def direct_real(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """A module's own parameters (the real ones, whatever its slots hold now)."""
+        return self.direct[module]
 
     def borrow(self, placeholder: ShardedPlaceholder) -> nn.Parameter | None:
-        """The real parameter behind `placeholder`, gathered, if a module's forward is running (None
-        otherwise): it joins the innermost running module's unit from now on."""
+        """The real parameter behind `placeholder`, gathered, if a unit's forward is running (None
+        otherwise): it joins the innermost running unit from now on."""
         if not self.active:
             return None
         m = self.active[-1]
@@ -350,17 +289,17 @@ class Stage3Hooks:
             owner._parameters[name] = p
         return p
 
-    def _swap_borrowed(self, module: nn.Module, real: bool) -> None:
-        for owner, name, p in self.borrowed.get(module, ()):
+    def _swap_borrowed(self, unit: nn.Module, real: bool) -> None:
+        for owner, name, p in self.borrowed.get(unit, ()):
             if real:
                 owner._parameters[name] = p
-            elif owner not in self.active:
+            elif self.unit_of[owner] not in self.active:
                 owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
 
     def show_real_parameters(self, real: bool) -> None:
         """Put the real parameters in every module's slots (True), or the placeholders back."""
-        for m in self.modules:
-            self._swap(m, self.real[m] if real else self.placeholders[m])
+        for unit in self.units:
+            self._swap(unit, real)
 
     def absorb_copies(self, module: nn.Module, on: bool) -> None:
         """While `module` loads a state dict whose values module_state.py already wrote into the
@@ -368,70 +307,84 @@ class Stage3Hooks:
         for _, t in self.placeholders[module]:
             t._zs_absorb_copies = on
 
-    @staticmethod
-    def _swap(module: nn.Module, entries) -> None:
-        for n, t in entries:
-            module._parameters[n] = t
+    def _swap(self, unit: nn.Module, real: bool) -> None:
+        for m in self.units[unit]:
+            for n, t in (self.direct[m] if real else self.placeholders[m]):
+                m._parameters[n] = t
 
-    def _pre_forward(self, module, args):
-        for c in self.chunks_of(module):
+    def _pre_forward(self, unit, args):
+        for c in self.chunks_of(unit):
             self.cache.acquire(c)
-        self._swap(module, self.real[module])
-        self._swap_borrowed(module, True)
-        self.active.append(module)
+        self._swap(unit, real=True)
+        self._swap_borrowed(unit, True)
+        self.active.append(unit)
 
-    def _post_forward(self, module, args, out):
-        self._end_forward(module)
-        flat, spec = tree_flatten(out)
-        real = {id(p) for _, p in self.real[module]}
-        if any(id(t) in real for t in flat):
-            # A parameter returned from its module's forward: once its chunk is released the
-            # parameter holds no data, so the caller gets a view of it instead, which keeps the
-            # gathered storage (and the values) alive for as long as the caller holds it.
-            flat = [t.view_as(t) if id(t) in real else t for t in flat]
-            out = tree_unflatten(flat, spec)
-        else:
-            out = None  # unchanged
+    def _pre_forward_leaf(self, unit, args, kwargs):
+        self._pre_forward(unit, args)
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:  # nothing to mark where its backward ends: the hold lasts until backward's end
+            return None
+        done = weak_method(self._end_leaf_backward)
+        marked = _AfterUnitBackward.apply(lambda: done(unit), *(flat[i] for i in at))
+        for i, t in zip(at, marked):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, unit, args, out):
+        # A parameter returned from its unit's forward: once its chunk is released the parameter
+        # holds no data, so the caller gets a view of it instead, made before the release, which
+        # keeps the gathered storage (and the values) alive for as long as the caller holds it.
+        tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
+        self._end_forward(unit)
         if torch.is_grad_enabled():
-            tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tensors if t.requires_grad]
             if tensors:
-                register_multi_grad_hook(tensors, lambda grads, m=module: self._pre_backward(m), mode="any")
-        return out
+                register_multi_grad_hook(tensors, lambda grads, m=unit: self._pre_backward(m), mode="any")
+        return replaced
 
-    def _end_forward(self, module) -> None:
-        i = len(self.active) - 1 - self.active[::-1].index(module)
+    def _end_forward(self, unit) -> None:
+        i = len(self.active) - 1 - self.active[::-1].index(unit)
         del self.active[i]
-        if module not in self.active:
-            self._swap(module, self.placeholders[module])
-            self._swap_borrowed(module, False)
-        for c in self.chunks_of(module):
+        if unit not in self.active:
+            self._swap(unit, real=False)
+            self._swap_borrowed(unit, False)
+        for c in self.chunks_of(unit):
             self.cache.release(c)
 
     def close_open_forwards(self) -> None:
         while self.active:
             self._end_forward(self.active[-1])
 
-    def _pre_backward(self, module) -> None:
+    def _pre_backward(self, unit) -> None:
         self.in_backward = True
-        if module in self.held:
+        if unit in self.held:
             return
-        self.held[module] = {id(p) for _, p in self.params_of(module) if p.requires_grad}
-        # A module with no trainable parameter keeps its hold until the end of backward.
-        for c in self.chunks_of(module):
+        # A unit with no trainable parameter keeps its hold until the end of backward.
+        self.held[unit] = None if unit in self.leaves else \
+            {id(p) for _, p in self.params_of(unit) if p.requires_grad}
+        for c in self.chunks_of(unit):
             self.cache.acquire(c)
 
     def grad_arrived(self, param: nn.Parameter) -> None:
         for m in self.owners.get(id(param), ()):
             pending = self.held.get(m)
-            if pending is None:
+            if pending is None:  # not held, or a leaf (its inputs' gradient ends the hold)
                 continue
             pending.discard(id(param))
             if not pending:
                 self._end_hold(m)
 
-    def _end_hold(self, module) -> None:
-        del self.held[module]
-        for c in self.chunks_of(module):
+    def _end_leaf_backward(self, unit) -> None:
+        self.on_leaf_backward([p for _, p in self.params_of(unit)])
+        if unit in self.held:
+            self._end_hold(unit)
+
+    def _end_hold(self, unit) -> None:
+        del self.held[unit]
+        for c in self.chunks_of(unit):
             self.cache.release(c)
 
     # -- saved tensors (see ChunkView) -------------------------------------------------------------

@@ -16,14 +16,11 @@ import torch.nn as nn
 
 from .chunks import Chunk, ChunkState, Fill, Slot, pack
 from .collectives import Comm
-from .hooks import FirstUseRecorder, direct_params
+from .hooks import FirstUseRecorder
+from .units import direct_params
 from .offload import Placement, Transfer
 
 log = logging.getLogger("zeroshard")
-
-
-class FrozenParameterError(RuntimeError):
-    """A parameter that was frozen at `zeroshard.initialize` was set to require a gradient."""
 
 
 def list_parameters(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, str]]:
@@ -64,9 +61,9 @@ class ChunkLayout:
         self._module_chunks: dict[nn.Module, list[Chunk]] = {}
         self.recorder: FirstUseRecorder | None = None
         self.final = False
-        # id(param) -> whether it was trainable when first packed: a re-pack keeps each parameter's
-        # chunk kind (a parameter frozen later still gets no gradient, so it is not stepped; one
-        # unfrozen later raises FrozenParameterError rather than piling gradients up unseen).
+        # id(param) -> whether its chunk is trainable: a re-pack keeps each parameter's chunk kind (a
+        # parameter frozen later still gets no gradient, so it is not stepped; one unfrozen later
+        # makes its chunk trainable: thaw).
         self.trainable: dict[int, bool] = {}
 
     def build(self, order: list[nn.Parameter], fill: Fill, broadcast: bool,
@@ -141,10 +138,11 @@ class ChunkLayout:
             if self.stage == 3 and c.state is not ChunkState.SHARDED:
                 c.release()
 
-    def record_first_use(self, module: nn.Module) -> None:
-        """Record the order of first use in the next training forward. Its hooks must run after
-        stage 3's, which put the real parameters in place: install them after those."""
-        self.recorder = FirstUseRecorder(module)
+    def record_first_use(self, module: nn.Module, leaves=()) -> None:
+        """Record the order of first use in the next training forward (a leaf unit's parameters as
+        one, units.py). Its hooks must run after stage 3's, which put the real parameters in place:
+        install them after those."""
+        self.recorder = FirstUseRecorder(module, leaves)
 
     def first_use_order(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """Collective: `params` in the order the recorded forward first used them (unused ones last),
@@ -162,17 +160,18 @@ class ChunkLayout:
                         "every rank packs chunks in rank 0's order")
         return [params[i] for i in orders[0]]
 
-    def check_frozen(self) -> None:
-        """Raise FrozenParameterError if a parameter packed frozen now requires a gradient."""
-        for c in self.chunks:
-            if not c.trainable:
-                for s in c.slots:
-                    if s.param.requires_grad:
-                        raise FrozenParameterError(
-                            f"zeroshard: parameter {s.name} was frozen (requires_grad=False) when "
-                            "zeroshard.initialize ran, so it has no gradient buffer, master copy or optimizer "
-                            "state, and cannot be trained now. Set requires_grad before initialize (a parameter "
-                            "frozen later is simply not updated, as in torch)")
+    def unfrozen(self, names=frozenset()) -> list[Chunk]:
+        """The frozen chunks holding a parameter that now requires a gradient (frozen at
+        initialize, unfrozen since), or one named in `names`."""
+        return [c for c in self.chunks if not c.trainable
+                and any(s.param.requires_grad or s.name in names for s in c.slots)]
+
+    def thaw(self, chunks: list[Chunk]) -> None:
+        """Make frozen `chunks` trainable (Chunk.make_trainable)."""
+        for c in chunks:
+            c.make_trainable()
+            for s in c.slots:  # a later re-pack keeps them in trainable chunks
+                self.trainable[id(s.param)] = True
 
     def finalize(self) -> None:
         """No re-pack from now on: stop recording first use."""

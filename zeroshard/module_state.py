@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import Callable
 
@@ -26,7 +27,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .hooks import Stage3Hooks, direct_params
+from .hooks import Stage3Hooks
+from .units import direct_params
 from .tensor_parallel import as_dtensor, local, local_value, set_local
 
 
@@ -86,6 +88,31 @@ def route_zero_grad(model: nn.Module, zero_grad: Callable[[], None]) -> None:
     def model_zero_grad(set_to_none: bool = True) -> None:
         zero_grad()
     model.zero_grad = model_zero_grad
+
+
+def sync_generation(model: nn.Module) -> list[str]:
+    """Stage 3 (or tensor parallelism) over several ranks: every forward is a collective, so ranks
+    generating sequences of different lengths (sampling, EOS, their own max_new_tokens) must run
+    the same number of forwards. transformers' `generate(synced_gpus=True)` does that (a finished
+    rank runs on without using the results until every rank is done); it turns it on itself under
+    DeepSpeed ZeRO-3 and FSDP. Here the `generate` of every module of the model that takes
+    `synced_gpus` (the model itself, or a transformers model inside a LightningModule) passes
+    synced_gpus=True unless the caller gives True or False. Returns the names of the modules."""
+    wrapped = []
+    for name, m in model.named_modules():
+        method = getattr(type(m), "generate", None)
+        if not callable(method) or "synced_gpus" not in inspect.signature(method).parameters:
+            continue
+        bound = m.generate
+
+        @functools.wraps(bound)
+        def generate(*args, __bound=bound, **kwargs):
+            if kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = True
+            return __bound(*args, **kwargs)
+        m.generate = generate
+        wrapped.append(name)
+    return wrapped
 
 
 def _write(c, s, value: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakTensorKeyDictionary
 
 
 @dataclass(frozen=True)
@@ -131,28 +132,57 @@ class Pending:
         return self.tensor
 
 
+class Offloaded:
+    """A tensor saved for backward, waiting in host memory: `pending`, its copy there (made once,
+    however many operations saved the tensor) and, after the first unpack, `device`: the copy back,
+    which every later unpack of the same tensor returns (autograd drops it with the last of them)."""
+
+    __slots__ = ("pending", "device")
+
+    def __init__(self, pending: Pending):
+        self.pending, self.device = pending, None
+
+
 class ActivationOffload:
     """Keeps tensors saved for backward in host memory between forward and backward.
 
-    The engine calls pack/unpack from its saved-tensor hooks around the model's forward. With activation checkpointing the tensors saved outside
-    checkpointed regions are exactly the checkpoints (the regions' inputs), so this is ZeRO-R's
-    P_a+cpu; without checkpointing every saved activation is offloaded. Parameters (and views of
-    chunk storage) are never offloaded: they are model states, not activations.
+    The engine calls pack/unpack from its saved-tensor hooks around the model's forward. With
+    activation checkpointing, the tensors saved outside checkpointed regions are the checkpoints
+    (the regions' inputs) and what the layers outside any region save (the embedding's output, the
+    final norm, the head and the loss), so this is ZeRO-R's P_a+cpu plus those; without
+    checkpointing every saved activation is offloaded. A tensor several operations save (the
+    log-probabilities that both log_softmax and nll_loss keep, a block's input kept by its norm and
+    its residual add) is copied once each way (`Offloaded`). Parameters (and views of chunk
+    storage) are never offloaded: they are model states, not activations.
     """
 
     def __init__(self, transfer: Transfer, is_model_state):
         self.transfer = transfer
         self.is_model_state = is_model_state
+        # tensor -> (its version when copied, Offloaded), for the forward running now. Weak keys:
+        # holding the tensors would keep on the device what this class moves off it.
+        self._copied = WeakTensorKeyDictionary()
+
+    def begin_forward(self) -> None:
+        self._copied = WeakTensorKeyDictionary()
 
     def pack(self, t: torch.Tensor):
+        """`t` itself (model states, tensors not on the device), or its Offloaded copy."""
         if isinstance(t, nn.Parameter) or t.device != self.transfer.device or self.is_model_state(t):
             return t
-        return self.transfer.to_host(t)
+        seen = self._copied.get(t)
+        if seen is not None and seen[0] == t._version:
+            return seen[1]
+        out = Offloaded(self.transfer.to_host(t))
+        self._copied[t] = (t._version, out)
+        return out
 
     def unpack(self, packed):
-        if not isinstance(packed, Pending):
+        if not isinstance(packed, Offloaded):
             return packed
-        # The upload reads the host copy on the same side stream that wrote it, so stream order
-        # already puts it after the download: the host need not wait (a sync per saved tensor in
-        # backward would stall the queueing of the next kernels).
-        return self.transfer.to_device(packed.tensor).wait()
+        if packed.device is None:
+            # The upload reads the host copy on the same side stream that wrote it, so stream order
+            # already puts it after the download: the host need not wait (a sync per saved tensor
+            # in backward would stall the queueing of the next kernels).
+            packed.device = self.transfer.to_device(packed.pending.tensor).wait()
+        return packed.device

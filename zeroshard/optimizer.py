@@ -10,7 +10,7 @@ One step, in order:
 3. Clipping by that norm.
 4. The optimizer step; then the 16-bit copy of the owned range is refreshed from the master, and at
    stages 1-2 every chunk's all-gather starts, so each rank again holds all parameters once it
-   arrives: step() does not wait for it; the next forward waits per chunk (hooks.ArrivalHooks).
+   arrives: step() does not wait for it; the next forward waits per chunk (arrival.ArrivalHooks).
    Stage 3 gathers lazily when modules run; stage 0 updated everything everywhere.
 
 The optimizer steps master pieces (chunks.py): per parameter, the part of its fp32 master this rank
@@ -153,6 +153,17 @@ class ShardedOptimizer:
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
+
+    def adopt(self, chunks, thawed) -> None:
+        """Start stepping the chunks in `thawed`, made trainable since the optimizer was built
+        (parameters unfrozen after initialize): their master pieces join their parameters' param
+        groups with no state, as torch starts a parameter it has not stepped; the others keep
+        theirs. `chunks`: every chunk, in layout order. No delayed update may be in flight."""
+        if self.update is not UpdateState.IDLE:
+            raise RuntimeError("zeroshard: land the delayed update before adopting chunks")
+        self.chunks = [c for c in chunks if c.trainable]
+        self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
+                           new=[pc for c in thawed for pc in c.pieces])
 
     @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:
@@ -367,7 +378,7 @@ class ShardedOptimizer:
 
     def _gather_updated(self) -> None:
         """Stages 1-2: start every updated chunk's all-gather, which gives every rank the whole
-        updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, hooks.ArrivalHooks).
+        updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, arrival.ArrivalHooks).
         Issued only after every rank finished its update (a rank whose step raised half-way
         never pairs its next collectives with these)."""
         if self.stage not in (1, 2) or self.comm.world == 1:

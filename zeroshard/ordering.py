@@ -201,6 +201,12 @@ def _retire_check_groups() -> None:
     _check_groups.clear()
 
 
+def forget_check_groups() -> None:
+    """Let go of every check group (at interpreter exit: collectives._take_down_groups)."""
+    _check_groups.clear()
+    _retired.clear()
+
+
 def has_check_group(group) -> bool:
     """Whether this rank holds a usable check group for `group` (none yet, or one left after a
     divergence, is not)."""

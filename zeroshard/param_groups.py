@@ -18,6 +18,11 @@ import inspect
 import torch
 
 
+class FrozenParameterError(RuntimeError):
+    """A parameter frozen at `zeroshard.initialize` and unfrozen since has no param group to join:
+    the optimizer callable split the tensors it was handed into several groups by position."""
+
+
 class ParamGroups:
     """`optimizer`: the user's optimizer instance or callable; `names`: id(model parameter) -> name."""
 
@@ -55,11 +60,20 @@ class ParamGroups:
         self.state_at_build = bool(opt.state)
         return opt
 
-    def assign(self, opt: torch.optim.Optimizer, pieces) -> None:
-        """Put each piece in its parameter's group (replacing the groups' tensors)."""
+    def assign(self, opt: torch.optim.Optimizer, pieces, new=None) -> None:
+        """Put each piece in its parameter's group (replacing the groups' tensors). `new`: the
+        pieces that join an optimizer that has stepped (parameters unfrozen since initialize):
+        only they get the state the optimizer makes when built (Adagrad's accumulator)."""
         groups = [[] for _ in opt.param_groups]
         for pc in pieces:
             g = self.group_of.get(id(pc.slot.param), self.default_group)
+            if g is None and self._by_position and new is not None:
+                raise FrozenParameterError(
+                    f"zeroshard: parameter {pc.slot.name} was frozen at initialize and is now unfrozen, but the "
+                    "optimizer callable split the tensors it was given into several param groups, so there is no "
+                    "telling which group it joins: pass a torch optimizer built over all the model's parameters "
+                    "(frozen ones included, in the groups they should train in), as gradual unfreezing in plain "
+                    "PyTorch needs")
             if g is None and self._by_position:
                 raise RuntimeError("zeroshard: the optimizer callable built several param groups from the tensors "
                                    "it was given, and chunks were re-packed since: pass a torch optimizer built "
@@ -68,9 +82,12 @@ class ParamGroups:
                 groups[g].append(pc.param)
         for group, params in zip(opt.param_groups, groups):
             group["params"] = params
-        if self.state_at_build:
+        if self.state_at_build and new is None:
             opt.state.clear()
             opt.state.update(state_at_build(opt, groups))
+        elif self.state_at_build:
+            joined = {id(pc.param) for pc in new}
+            opt.state.update(state_at_build(opt, [[p for p in ps if id(p) in joined] for ps in groups]))
 
 
 def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, int]:

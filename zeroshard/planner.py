@@ -481,14 +481,14 @@ def _progress(items, desc: str):
 
 
 # -- the engine's planning glue ------------------------------------------------------------------
-def plan_for(module, example_inputs, make_opt, config, device, comm, every=None) -> tuple[Plan, Profile]:
+def plan_for(module, example_inputs, make_opt, config, device, comm, every=None, leaves=()) -> tuple[Plan, Profile]:
     """The engine's planning (offload/stage "auto"): profile, measure and plan on rank 0; every rank
     gets rank 0's plan, so all build the same chunks even if their measurements would differ.
     `comm`: the ranks ZeRO shards over; `every`: the ranks that take the plan of its rank 0 (default
     `comm`; with tensor parallelism the whole world, so every TP rank runs the same plan).
     With tensor parallelism the profile is rank 0's part of the split model (its local shards, its
     flops, its activations, its TP collectives); P_a is not modelled (activations are not divided
-    by it: an overestimate)."""
+    by it: an overestimate). `leaves`: the modules stage 3 gathers whole (units.py)."""
     from .hardware import probe
     from .profiler import profile
 
@@ -500,7 +500,14 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None)
     mine = None
     every = every or comm
     if every.rank == 0:
-        prof = profile(module, example_inputs, dtype=dtype, device=device)
+        try:
+            prof = profile(module, example_inputs, dtype=dtype, device=device, leaves=leaves)
+        except Exception as e:  # noqa: BLE001 -- every rank waits for the plan: it raises on all of them
+            mine = (None, None, f"offload/stage 'auto' profiles the model on the meta device, where it failed "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:300]}). A model whose forward depends "
+                                "on its values (a mixture of experts routing by data, a Python branch on a tensor) "
+                                "cannot be profiled there: set stage, cache_chunks and the offload keys yourself")
+    if every.rank == 0 and mine is None:
         hw = probe(device, dtype).with_(device_memory=config.device_memory)
         target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
                         optimizer_state_bytes=optimizer_state_bytes(make_opt),

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from .hooks import direct_params
+from .units import direct_params
 
 
 def cast_buffers(module: nn.Module, dtype: torch.dtype, policy: str) -> None:

@@ -259,6 +259,8 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
                     submodule: str = "") -> str:
     """See Engine.save_pretrained."""
     path = os.path.abspath(os.fspath(path))
+    if not submodule and adapter_marks(engine.module):
+        return save_adapter(engine, path, dtype)
     # Every rank holds every value once gathered, so the files are shared out over the whole world.
     comm, limit = engine.world_comm, shard_size(max_shard_size)
     module = engine.module.get_submodule(submodule)  # AttributeError naming it when there is none
@@ -341,6 +343,34 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
         except Exception as e:  # noqa: BLE001
             problems.append(f"{type(e).__name__}: {e}")
     agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
+    return path
+
+
+def adapter_marks(module: nn.Module) -> tuple[str, ...]:
+    """For a peft model (LoRA and the like), what every adapter tensor's name holds: ".<adapter
+    name>." (peft names them `...q_proj.lora_A.default.weight`); () for any other model."""
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not hasattr(module, "get_base_model"):
+        return ()
+    return tuple(f".{name}." for name in configs)
+
+
+def save_adapter(engine, path: str, dtype: torch.dtype | None) -> str:
+    """Collective: a peft model's adapters in peft's own format (what `PeftModel.save_pretrained`
+    writes, and `PeftModel.from_pretrained` opens): only the chunks holding adapter tensors are
+    gathered, never the frozen base; rank 0 hands peft their whole values to write."""
+    marks = adapter_marks(engine.module)
+    order = [s.name for c in engine.chunks for s in c.slots if any(m in s.name for m in marks)]
+    if engine.tp is not None:
+        order = engine.tp.comm.broadcast_object(order)
+    state = {s.name: value.to(dtype or torch.float32).cpu().clone() for s, value in whole_values(engine, order)}
+    problems = []
+    if engine.world_comm.rank == 0:
+        try:
+            engine.module.save_pretrained(path, state_dict=state)
+        except Exception as e:  # noqa: BLE001 -- reported on every rank
+            problems.append(f"{type(e).__name__}: {e}")
+    agree(engine.world_comm, problems, what=f"saving the adapters to {path} failed:")
     return path
 
 

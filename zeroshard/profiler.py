@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from .tensor_parallel import as_dtensor, local, local_shape
+from .units import direct_params, leaf_modules, unit_members
 
 log = logging.getLogger("zeroshard")
 
@@ -338,7 +339,7 @@ def default_loss(out) -> torch.Tensor:
 
 
 def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torch.float32,
-            loss_fn=None, device: torch.device | str | None = None) -> Profile:
+            loss_fn=None, device: torch.device | str | None = None, leaves=None) -> Profile:
     """Profile one training step (forward + backward) of `model` on the meta device.
 
     example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments, as the
@@ -348,6 +349,9 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     loss_fn: maps the model's output to the scalar loss (default: see `default_loss`).
     device: the device that will train ('cuda' or 'cpu'; default: CUDA when present): operators
         that choose their kernel by device (attention) choose as they will there.
+    leaves: the modules stage 3 gathers with their whole subtree (units.py; default: the
+        mixture-of-experts blocks config leaf_modules 'auto' finds): the trace names them, not
+        their submodules.
     """
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -386,15 +390,14 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     held: dict[str, set[int]] = {}  # module -> trainable params whose gradient is pending (as stage 3)
     owners: dict[int, list[str]] = {}
     state = {"backward": False}
-    direct = {}
-    for mname, m in model.named_modules():
-        ps = [p for p in m._parameters.values() if p is not None]
-        if ps:
-            direct[m] = mname
-    largest = max((sum(p.numel() for p in m._parameters.values() if p is not None) for m in direct), default=0)
+    units = unit_members(model, leaf_modules(model, "auto") if leaves is None else list(leaves))
+    direct = {m: mname for mname, m in model.named_modules() if units.get(m)}  # units with parameters
+    unit_index = {m: tuple(dict.fromkeys(index[id(meta_of[id(p)])] for member in units[m]
+                                         for _, p in direct_params(member))) for m in direct}
+    largest = max((sum(infos[i].numel for i in ps) for ps in unit_index.values()), default=0)
 
     def module_params(m) -> tuple[int, ...]:
-        return tuple(index[id(p)] for p in m._parameters.values() if p is not None and id(p) in index)
+        return unit_index[m]
 
     def pre_forward(m, _args):
         ps = module_params(m)

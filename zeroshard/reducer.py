@@ -35,13 +35,18 @@ class GradientReducer:
         self._in_flight: collections.deque[Chunk] = collections.deque()  # stages 2-3, oldest first
         self._order: list[Chunk] = []  # this pass's reductions, in the order every rank issues them
         self._next = 0  # index into _order of the next reduction to start
+        self._arrived: set[int] = set()  # id(slot) of the parameters counted in this pass
+        # stages 0-1: gradients accumulated since the last reducing backward pass, not reduced yet
+        self.unreduced = False
 
-    def begin(self, chunks: list[Chunk], micro_batch: int) -> None:
+    def begin(self, chunks: list[Chunk], micro_batch: int, sync: bool = True) -> None:
         """A backward pass of micro-batch `micro_batch` (counted from 0) starts. At stages 0-1 it
-        reduces if that micro-batch ends an accumulation window, and a chunk already reduced for
-        this step (an earlier backward call before the same step) is reopened, so its earlier sum
-        is not reduced twice."""
-        self.reduce_now = self.stage >= 2 or (micro_batch + 1) % self.accumulation == 0
+        reduces if that micro-batch ends an accumulation window and `sync` (False: inside
+        Engine.no_sync, the step reduces instead), and a chunk already reduced for this step (an
+        earlier backward call before the same step) is reopened, so its earlier sum is not reduced
+        twice."""
+        self.reduce_now = self.stage >= 2 or (sync and (micro_batch + 1) % self.accumulation == 0)
+        self.unreduced = not self.reduce_now
         for c in chunks:
             if c.grad_state is GradState.REDUCED:
                 c.reopen()
@@ -49,6 +54,7 @@ class GradientReducer:
         # in order of first use in forward).
         self._order = [c for c in reversed(chunks) if c.trainable] if self.reduce_now else []
         self._next = 0
+        self._arrived = set()
 
     def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         """Accumulate one parameter's gradient into its chunk. One that arrives after the chunk's
@@ -58,6 +64,15 @@ class GradientReducer:
             chunk.stash_reduced()
         chunk.accumulate_grad(slot, grad)
         chunk.grads_seen += 1
+        self._arrived.add(id(slot))
+
+    def assume_arrived(self, chunk: Chunk, slot: Slot) -> None:
+        """A parameter that gets no gradient in this pass after all (a leaf unit's backward ended
+        without one: an expert no token of this rank was routed to) counts as arrived, so its chunk
+        completes at the same point of the backward on every rank (units.py)."""
+        if id(slot) not in self._arrived and chunk.grad_state is not GradState.REDUCING:
+            self._arrived.add(id(slot))
+            chunk.grads_seen += 1
 
     def start_complete(self) -> None:
         """Start the reductions of the chunks complete so far, in one order on every rank (as DDP
@@ -91,6 +106,16 @@ class GradientReducer:
             if c.trainable:
                 c.finish_reduce()
                 c.end_backward()
+
+    def reduce_unreduced(self, chunks: list[Chunk]) -> None:
+        """Stages 0-1, at the step: reduce the gradients that the backward passes since the last
+        reduction kept unreduced (the window's last one ran under Engine.no_sync), once."""
+        self.begin(chunks, self.accumulation - 1)
+        self.end(chunks)
+
+    def cleared(self) -> None:
+        """The gradients were dropped (a step, zero_grad): nothing is left to reduce."""
+        self.unreduced = False
 
     def abandon(self, chunks: list[Chunk]) -> None:
         """The backward pass raised: forget its reductions without waiting for them (a peer that

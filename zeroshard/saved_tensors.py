@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .hooks import ChunkView
-from .offload import ActivationOffload, Pending, Transfer
+from .offload import ActivationOffload, Offloaded, Pending, Transfer
 from .tensor_parallel import Partitioned, PartitionedActivations, as_dtensor, local
 
 
@@ -81,6 +81,8 @@ class SavedTensorHooks:
             self.saved_bytes, self._storages = {"device": 0, "host": 0}, set()
         if self.partition is not None:
             self.partition.begin_forward()
+        if self.offload is not None:
+            self.offload.begin_forward()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
@@ -120,9 +122,10 @@ class SavedTensorHooks:
                 self._count(piece, on_host)
                 return tl.track(part, piece, on_host) if tl is not None else part
         packed = self.offload.pack(t) if self.offload is not None else t
-        if isinstance(packed, Pending):
-            self._count(packed.tensor, True)
-            return tl.track(Saved(packed, None), packed.tensor, on_host=True) if tl is not None else packed
+        if isinstance(packed, Offloaded):
+            host = packed.pending.tensor
+            self._count(host, True)
+            return tl.track(Saved(packed, None), host, on_host=True) if tl is not None else packed
         saved = Saved(t.detach(), t._version)
         if (tl is not None or self.saved_bytes is not None) and not self.is_model_state(t):
             on_host = t.device.type == "cpu" and self.device.type != "cpu"
@@ -145,7 +148,7 @@ class SavedTensorHooks:
             return as_dtensor(packed.like, self.stage3.unpack_chunk_view(packed.view))
         if isinstance(packed, Partitioned):
             return self.partition.unpack(packed)
-        if isinstance(packed, Pending):
+        if isinstance(packed, Offloaded):
             return self.offload.unpack(packed)
         return packed
 

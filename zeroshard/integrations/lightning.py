@@ -12,7 +12,9 @@ What comes from Lightning, as it does without zeroshard:
   module's parameters: the engine adopts it with its param groups, and the schedulers built on it
   set the rate the update applies);
 - `accumulate_grad_batches`: Lightning divides the loss and steps at the window's end; the engine
-  reduces each micro-batch's gradient as it arrives (its own accumulation count stays 1);
+  keeps the window's gradients unreduced until its last micro-batch at stages 0-1 (Lightning's
+  block_backward_sync is Engine.no_sync: one reduction per window) and reduce-scatters each at
+  stages 2-3 (its own accumulation count stays 1);
 - `gradient_clip_val` (by norm) becomes config `clip_grad_norm`, applied over every shard inside the
   step; clipping by value raises ValueError (it needs whole gradients);
 - `precision`: "bf16-mixed" / "bf16-true" / "16-mixed" / "16-true" become config precision
@@ -31,6 +33,7 @@ The engine's figures go to every Lightning logger (tensorboard, CSV, ...) every
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -135,6 +138,13 @@ class ZeroShardStrategy(DDPStrategy):
 
     def predict_step(self, *args, **kwargs):
         return self._forward("predict_step", *args, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Lightning calls this around the micro-batches of an accumulation window but the last:
+        the engine then reduces once per window (Engine.no_sync)."""
+        with self.engine.no_sync():
+            yield
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
         self.engine.backward(closure_loss)

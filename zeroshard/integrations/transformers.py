@@ -11,8 +11,10 @@ What comes from TrainingArguments, as the Trainer does it without zeroshard:
   which steps this rank's fp32 master pieces with those groups; the LR scheduler
   (`lr_scheduler_type`, warmup) is built on that optimizer, so the rate it sets is the one applied;
 - `gradient_accumulation_steps`: the Trainer divides each micro-batch's loss and calls the step
-  at the window's end (a short last window included); the engine reduces each micro-batch's
-  gradient as it arrives and its own accumulation count stays 1;
+  at the window's end (a short last window included); it runs every micro-batch of a window but
+  the last under accelerate's no_sync, which is Engine.no_sync: at stages 0-1 the window's
+  gradients are reduced once, at stages 2-3 reduce-scattered per micro-batch; the engine's own
+  accumulation count stays 1;
 - `max_grad_norm` becomes config `clip_grad_norm` (clipping over every shard, inside the step); the
   logged `grad_norm` is the engine's global norm before clipping;
 - `bf16` / `fp16` become config `precision` (zeroshard's mixed precision: fp32 masters, 16-bit

@@ -1,0 +1,104 @@
+"""Units: the modules whose parameters stage 3 gathers and releases together.
+
+A unit is, by default, one module with parameters of its own: its forward gathers the chunks
+holding them and releases them when it ends (hooks.Stage3Hooks). Every rank must then gather the
+same chunks in the same order, which a module that runs on some ranks and not others breaks: a
+mixture of experts with one module per expert runs, on each rank, only the experts its tokens were
+routed to.
+
+A *leaf* unit is a module whose whole subtree is one unit (DeepSpeed's "ZeRO-3 leaf modules", or
+FSDP2's wrapping of a whole MoE block): its forward gathers the chunks of every parameter below it,
+whatever its submodules do inside, so the gathers depend only on which leaves run, as they do on
+every rank alike. Config `leaf_modules` names them (class names or qualified module names), and
+"auto" adds the common mixture-of-experts pattern: a module with a ModuleList or ModuleDict of two or
+more experts (submodules of one class with the same parameter shapes) beside a router (a 2-D
+parameter, not an embedding, with one row per expert). Fused-expert MoEs (one tensor for all
+experts: Mixtral, Qwen2-MoE and OLMoE in transformers) need no leaf.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A module's own parameters (not its submodules'), as (attribute name, parameter)."""
+    return [(n, p) for n, p in module._parameters.items() if p is not None]
+
+
+def expert_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules "auto" makes leaves: each holds a ModuleList/ModuleDict of experts and the router
+    that picks among them (module docstring); the outermost such modules, in module order."""
+    found = []
+    for m in model.modules():
+        for child in m.children():
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and _experts(child) and \
+                    _has_router(m, child, len(child)):
+                found.append(m)
+                break
+    return _outermost(found)
+
+
+def _experts(container: nn.Module) -> bool:
+    experts = list(container.children())
+    if len(experts) < 2 or len({type(e) for e in experts}) != 1:
+        return False
+    shapes = [[(n, tuple(p.shape)) for n, p in e.named_parameters()] for e in experts]
+    return bool(shapes[0]) and all(s == shapes[0] for s in shapes)
+
+
+def _has_router(block: nn.Module, container: nn.Module, n_experts: int) -> bool:
+    inside = {id(m) for m in container.modules()}
+    for m in block.modules():
+        if id(m) in inside or isinstance(m, nn.Embedding):
+            continue
+        if any(p.dim() == 2 and p.shape[0] == n_experts for _, p in direct_params(m)):
+            return True
+    return False
+
+
+def _outermost(modules: list[nn.Module]) -> list[nn.Module]:
+    inner = {id(d) for m in modules for d in m.modules() if d is not m}
+    return [m for m in modules if id(m) not in inner]
+
+
+def leaf_modules(model: nn.Module, spec) -> list[nn.Module]:
+    """The leaf units config `leaf_modules` names (Config docstring): "auto", or a sequence of class
+    names, qualified module names and "auto". Raises ValueError for a name that matches no module."""
+    names = ("auto",) if spec == "auto" else tuple(spec or ())
+    by_name = dict(model.named_modules())
+    found, unmatched = [], []
+    for name in names:
+        if name == "auto":
+            hits = expert_blocks(model)
+        elif name in by_name and name:
+            hits = [by_name[name]]
+        else:
+            hits = [m for m in model.modules() if type(m).__name__ == name]
+            if not hits:
+                unmatched.append(name)
+        found.extend(m for m in hits if all(m is not f for f in found))
+    if unmatched:
+        raise ValueError(f"zeroshard config: leaf_modules names {unmatched}, which match no module of the model "
+                         "(give a class name such as 'SwitchTransformersSparseMLP' or a qualified module name "
+                         "such as 'encoder.block.1.layer.1.mlp')")
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(_outermost(found), key=lambda m: order[id(m)])
+
+
+def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
+    """Each unit, with the modules whose own parameters it gathers (itself, or a leaf's whole
+    subtree), in module order. The root is a unit even without parameters: a parameter read in its
+    forward outside the module that holds it is borrowed by it (hooks.Stage3Hooks.borrow)."""
+    leaf_ids = {id(m) for m in leaves}
+    units: dict[nn.Module, list[nn.Module]] = {}
+    skip: set[int] = set()
+    for m in model.modules():
+        if id(m) in skip:
+            continue
+        if id(m) in leaf_ids:
+            members = [d for d in m.modules() if direct_params(d)]
+            skip |= {id(d) for d in m.modules()}
+            units[m] = members
+        elif direct_params(m) or m is model:
+            units[m] = [m] if direct_params(m) else []
+    return units
