@@ -120,6 +120,16 @@ class WorldResults:
                                f"{cause(self._cache[world])}") from self._cache[world]
         return self._cache[world]
 
+    def fixture(self, worlds=None):
+        """A pytest fixture, parametrized over `worlds` (default: this registry's), giving each test
+        (results, world size). In a test module: `res = WorldResults(run, "label").fixture()`."""
+        import pytest
+
+        @pytest.fixture(params=worlds or self.worlds, ids=lambda w: f"world{w}")
+        def res(request, tmp_path_factory):
+            return self.get(request.param, tmp_path_factory), request.param
+        return res
+
 
 def ok(results: dict, name: str) -> dict:
     """A scenario's figures, after checking it did not raise."""

@@ -6,15 +6,10 @@ import pytest
 
 from contract_scenarios import run
 from distributed import WorldResults, ok
-from models import ADAMW_TOL
+from models import TOL
 
-TOL = {"sgd": 1e-5, "adamw": ADAMW_TOL}
 _results = WorldResults(run, "contract")
-
-
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -8,15 +8,10 @@ pytest.importorskip("transformers")
 
 from distributed import WorldResults, ok  # noqa: E402
 from finetune_scenarios import run  # noqa: E402
-from models import ADAMW_TOL  # noqa: E402
+from models import ADAMW_TOL, TOL  # noqa: E402
 
-TOL = {"sgd": 1e-5, "adamw": ADAMW_TOL}
 _results = WorldResults(run, "finetune")
-
-
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 @pytest.mark.parametrize("stage", range(4))

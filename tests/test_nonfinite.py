@@ -9,11 +9,7 @@ from distributed import WorldResults, ok
 from nonfinite_scenarios import run
 
 _results = WorldResults(run, "nonfinite")
-
-
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -19,11 +19,7 @@ from scenarios import SCENARIOS, run_all
 
 WORLDS = (1, 2, 3)
 _results = WorldResults(run_all, "parity")
-
-
-@pytest.fixture(params=WORLDS, ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture(WORLDS)
 
 
 def ok(r, name):

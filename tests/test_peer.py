@@ -9,11 +9,7 @@ from peer_scenarios import run
 
 SGD_TOL = 1e-5
 _results = WorldResults(run, "peer")
-
-
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 stages = pytest.mark.parametrize("stage", range(4))

@@ -15,11 +15,7 @@ from distributed import WorldResults, ok
 from pretrained_scenarios import ARCHS, build, run
 
 _results = WorldResults(run, "pretrained")
-
-
-@pytest.fixture(params=(1, 2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 @pytest.mark.parametrize("stage", range(4))

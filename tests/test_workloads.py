@@ -6,16 +6,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from distributed import WorldResults, ok  # noqa: E402
-from models import ADAMW_TOL  # noqa: E402
+from models import TOL  # noqa: E402
 from workload_scenarios import run  # noqa: E402
 
-TOL = {"sgd": 1e-5, "adamw": ADAMW_TOL}
 _results = WorldResults(run, "workloads", worlds=(2, 3))
-
-
-@pytest.fixture(params=(2, 3), ids=lambda w: f"world{w}")
-def res(request, tmp_path_factory):
-    return _results.get(request.param, tmp_path_factory), request.param
+res = _results.fixture()
 
 
 stages = pytest.mark.parametrize("stage", range(4))
@@ -37,6 +32,10 @@ def test_a_hand_written_module_list_moe_trains_exactly(res, stage):
     assert got["leaves"] == ["moe1", "moe2"] and got["experts_differ"]
     assert got["unused_experts"] > 0 and got["unused_kept"]  # no update where PyTorch gives none
     assert got["diff"] <= TOL["sgd"]
+
+
+def test_a_moe_block_whose_inputs_need_no_gradient(res):
+    assert ok(res[0], "moe_without_input_gradient")["diff"] <= TOL["sgd"]
 
 
 @pytest.mark.parametrize("how", ["class_name", "module_name"])

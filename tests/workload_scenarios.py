@@ -182,6 +182,34 @@ SCENARIOS["custom_moe_by_class_name"] = lambda rank, world: custom_moe(rank, wor
 SCENARIOS["custom_moe_by_module_name"] = lambda rank, world: custom_moe(rank, world, 3, ["moe1", "moe2"])
 
 
+class SideBranch(nn.Module):
+    """A trainable branch runs first; the MoE block reads the raw input, so no gradient reaches
+    its inputs and its backward's end cannot be seen: its chunks complete at the end of backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.side, self.moe, self.head = nn.Linear(8, 8), TopOneMoE(8, 4), nn.Linear(8, 1)
+        with torch.no_grad():
+            self.moe.gate.weight.copy_(5 * torch.eye(4, 8))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.side(x)) + self.moe(x))
+
+
+def moe_without_input_gradient(rank, world):
+    data = routed_data(world)
+    for r in range(world):  # rank r routes to expert 3 - r: the last chunks' experts differ by rank
+        data[:, r, :, r] -= 3.0
+        data[:, r, :, 3 - r] += 3.0
+    _, diff = parity(rank, world, SideBranch, lambda m, x, *_: m(x).pow(2).mean(), data, make_sgd,
+                     {"stage": 3, "chunk_size": 160, "cache_chunks": 1})
+    return {"diff": diff}
+
+
+SCENARIOS["moe_without_input_gradient"] = moe_without_input_gradient
+
+
 def unknown_leaf_module(rank, world):
     """A leaf_modules name that matches no module: ValueError naming it, at initialize."""
     zeroshard.initialize(MoEModel(), make_sgd, {"stage": 3, "leaf_modules": ["auto", "NoSuchBlock"]})

@@ -147,6 +147,7 @@ class Engine:
                                      on_leaf_backward=weak_method(self._leaf_backward_done))
             hooks = self.hooks
             self.layout.real_params = lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m)
+            self.reducer.count_at_leaf_end(p for leaf in self.leaves for _, p in self.hooks.params_of(leaf))
         route_zero_grad(module, weak_method(self.zero_grad))
         if (self.stage == 3 and self.comm.world > 1) or self.tp is not None:  # a forward is a collective
             sync_generation(module)
@@ -163,11 +164,10 @@ class Engine:
         # A dropped engine must not live on in autograd: a weak method. Parameters unfrozen later get
         # it then (_follow_requires_grad).
         self._grad_arrived_hook = weak_method(self._grad_arrived)
-        self._hooked: set[int] = set()
+        self._unhooked = [p for p in self.params if not p.requires_grad]
         for p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
-                self._hooked.add(id(p))
         # The prefetch schedule is recorded over the first micro-batch that runs entirely on the
         # final packing (layout.py: chunks are re-packed in order of first use after the first).
         self.layout.record_first_use(module, self.leaves)
@@ -246,13 +246,13 @@ class Engine:
         this forward on, as in torch. Its chunk, if frozen, becomes trainable (Chunk.make_trainable;
         a delayed update in flight lands first) and the optimizer starts stepping it with no state;
         its gradients go into the chunk. Freezing again needs nothing: no gradient, no step."""
-        new = [p for p in self.params if p.requires_grad and id(p) not in self._hooked]
+        new = [p for p in self._unhooked if p.requires_grad]
         if not new:
             return
         self.thaw()
         for p in new:
             p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
-            self._hooked.add(id(p))
+        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
         """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
@@ -356,14 +356,14 @@ class Engine:
             self.hooks.grad_arrived(p)
 
     def _leaf_backward_done(self, params) -> None:
-        """Stage 3: the gradient went back through a leaf unit; its parameters without a gradient
-        get none in this backward (GradientReducer.assume_arrived)."""
+        """Stage 3: the gradient went back through a leaf unit: its parameters count as arrived,
+        with a gradient or without (GradientReducer.count_at_leaf_end)."""
         if self.phase is not TrainingPhase.BACKWARD:
             return
         for p in params:
             chunk, slot = self.layout.slot_of[id(p)]
             if chunk.trainable:
-                self.reducer.assume_arrived(chunk, slot)
+                self.reducer.leaf_done(chunk, slot)
         self.reducer.start_complete()
 
     def step(self) -> bool:

@@ -36,6 +36,7 @@ class GradientReducer:
         self._order: list[Chunk] = []  # this pass's reductions, in the order every rank issues them
         self._next = 0  # index into _order of the next reduction to start
         self._arrived: set[int] = set()  # id(slot) of the parameters counted in this pass
+        self._counted_at_leaf_end: set[int] = set()  # id(param): see count_at_leaf_end
         # stages 0-1: gradients accumulated since the last reducing backward pass, not reduced yet
         self.unreduced = False
 
@@ -63,14 +64,26 @@ class GradientReducer:
         if chunk.grad_state is GradState.REDUCING:
             chunk.stash_reduced()
         chunk.accumulate_grad(slot, grad)
-        chunk.grads_seen += 1
-        self._arrived.add(id(slot))
+        if id(slot.param) not in self._counted_at_leaf_end:
+            self._count(chunk, slot)
 
-    def assume_arrived(self, chunk: Chunk, slot: Slot) -> None:
-        """A parameter that gets no gradient in this pass after all (a leaf unit's backward ended
-        without one: an expert no token of this rank was routed to) counts as arrived, so its chunk
-        completes at the same point of the backward on every rank (units.py)."""
-        if id(slot) not in self._arrived and chunk.grad_state is not GradState.REDUCING:
+    def count_at_leaf_end(self, params) -> None:
+        """Stage 3: these parameters (of leaf units, units.py) count towards their chunk's
+        completion only when their leaf's backward ends (`leaf_done`), never when their gradient
+        arrives: which experts got gradients differs by rank, the end of a leaf's backward does
+        not, so chunks complete, and reductions start, at the same point on every rank. A leaf
+        whose backward end cannot be seen (no input needs a gradient) leaves them to the end of
+        backward."""
+        self._counted_at_leaf_end = {id(p) for p in params}
+
+    def leaf_done(self, chunk: Chunk, slot: Slot) -> None:
+        """The backward of the leaf unit holding `slot`'s parameter ended: it counts as arrived,
+        with its gradient or without (an expert no token of this rank was routed to)."""
+        if chunk.grad_state is not GradState.REDUCING:
+            self._count(chunk, slot)
+
+    def _count(self, chunk: Chunk, slot: Slot) -> None:
+        if id(slot) not in self._arrived:
             self._arrived.add(id(slot))
             chunk.grads_seen += 1
 
