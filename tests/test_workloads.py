@@ -77,6 +77,11 @@ def test_a_returned_parameter_passed_up_through_its_parent(res, form, opt, stage
     assert got["chunks"] >= 3 and got["diff"] <= TOL[opt]
 
 
+def test_two_engines_in_one_process_at_stages_2_and_3(res):
+    got = ok(res[0], "two_engines")
+    assert got["counted"] == [got["numel"]] and got["diff"] <= TOL["sgd"]
+
+
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_activation_offload_copies_each_saved_tensor_once(res, model, stage):

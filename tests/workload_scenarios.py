@@ -336,6 +336,39 @@ for _form in ("tuple", "object"):
                 returned_through_parent(rank, world, OPTIMIZERS[opt], stage, form))
 
 
+# -- two engines in one process ---------------------------------------------------------------------------
+def two_engines(rank, world):
+    """Two models trained in turn in one process (a GAN's generator and discriminator; a sweep),
+    one at stage 2, one at stage 3: after each stage-2 step its updated chunks are still arriving
+    and its guard sees every torch call, including those on the stage-3 model's placeholders
+    (issue 29, found beside defect 4: the guard read a placeholder's layout, which refuses any use:
+    ShardedParameterError from the Trainer's parameter count). Both train as single-process torch."""
+    data = batches(3, world, 2)
+    refs = [tiny_gpt2(seed=s) for s in (0, 1)]
+    opts = [make_sgd(list(m.parameters())) for m in refs]
+    for step in data:
+        for m, opt in zip(refs, opts):
+            x = step.reshape(-1, step.shape[-1])
+            m(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    models = [tiny_gpt2(seed=s) for s in (0, 1)]
+    engines = [zeroshard.initialize(m, make_sgd, {"stage": stage, "chunk_size": 20000})
+               for m, stage in zip(models, (2, 3))]
+    counted = []
+    for step in data:
+        for e in engines:
+            x = step[0, rank]
+            e.backward(e(input_ids=x, labels=x).loss)
+            e.step()
+            counted.append(sum(p.numel() for p in models[1].parameters()))  # what the Trainer counts
+    return {"diff": max(max_diff(e.full_state_dict(), m.state_dict()) for e, m in zip(engines, refs)),
+            "counted": sorted(set(counted)), "numel": sum(p.numel() for p in refs[1].parameters())}
+
+
+SCENARIOS["two_engines"] = two_engines
+
+
 # -- activation offload copies each saved tensor once ----------------------------------------------------
 def tiny_llama():
     import transformers

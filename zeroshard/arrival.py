@@ -100,14 +100,18 @@ class ArrivalGuard(TorchFunctionMode):
 
     def _wait_for(self, t: torch.Tensor) -> None:
         t = local(t)  # a DTensor parameter: its local shard lives in the chunk
-        if t.layout is torch.strided and not t.is_meta:
+        # Read as a plain tensor's: a tensor subclass's own handling must not run here (another
+        # engine's stage-3 placeholder refuses any use; this only looks for a storage).
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.layout is not torch.strided or t.is_meta:
+                return
             try:
                 ptr = t.untyped_storage().data_ptr()
-            except RuntimeError:  # a wrapper subclass with no storage of its own (an async collective's)
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass with no storage of its own
                 return
-            c = self.pending.pop(ptr, None)
-            if c is not None:
-                c.await_arrival()
+        c = self.pending.pop(ptr, None)
+        if c is not None:
+            c.await_arrival()
 
     @staticmethod
     def _stack() -> list:

@@ -228,20 +228,26 @@ class Stage3Hooks:
         self.on_borrow = on_borrow
         self.on_leaf_backward = on_leaf_backward
         borrow = weak_method(self.borrow)
+        # One placeholder per parameter, in every slot that holds it (tied weights): the module's
+        # parameters() then lists it once, as torch lists a tied parameter once.
+        stand_in: dict[int, ShardedPlaceholder] = {}
         for unit, members in self.units.items():
             seen = set()
             self.real[unit] = []
             for m in members:
                 self.direct[m] = direct_params(m)
-                self.placeholders[m] = [(n, ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)]))
-                                        for n, p in self.direct[m]]
-                for (n, p), (_, t) in zip(self.direct[m], self.placeholders[m]):
+                self.placeholders[m] = []
+                for n, p in self.direct[m]:
+                    t = stand_in.get(id(p))
+                    if t is None:
+                        t = stand_in[id(p)] = ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)])
+                        t._zs_borrow, t._zs_param = borrow, p
+                        self._slot[id(t)] = (m, n, p)
+                    self.placeholders[m].append((n, t))
                     if id(p) not in seen:
                         seen.add(id(p))
                         self.real[unit].append((n, p))
                         self.owners.setdefault(id(p), []).append(unit)
-                    self._slot[id(t)] = (m, n, p)
-                    t._zs_borrow, t._zs_param = borrow, p
             self._swap(unit, real=False)
         # unit -> ids of params whose grads are pending; None: a leaf, whose hold ends when the
         # gradient reaches its inputs (_AfterUnitBackward)
