@@ -254,9 +254,9 @@ def _arm(point, rank, world):
     elif point == "metadata" and rank == 0:  # every shard written, no .metadata yet
         ck.SafeWriter.finish = die
     elif point == "commit" and rank == 0:  # checksums written, not renamed
-        ck._commit = die
+        ck.commit = die
     elif point == "latest" and rank == 0:  # renamed, `latest` not yet replaced
-        ck._write_latest = die
+        ck.write_latest = die
     elif point == "replace" and rank == 0:  # same tag: the old one set aside, the new one not in place
         real = os.replace
 

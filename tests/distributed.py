@@ -44,6 +44,17 @@ def every_rank(value) -> list:
     return out
 
 
+def error_on_every_rank(fn) -> list[str]:
+    """Inside a spawned rank: what `fn()` raised on each rank ("Type: message", or "no error"), on
+    every rank."""
+    try:
+        fn()
+        got = "no error"
+    except Exception as e:  # noqa: BLE001 -- the figure is what was raised
+        got = f"{type(e).__name__}: {e}"
+    return every_rank(got)
+
+
 def spawn(world: int, fn, *args) -> None:
     """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails. The free port
     found for the rendezvous can be taken by another process before rank 0 listens on it: then

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import zeroshard
 from models import batches, make_sgd, max_diff
-from distributed import every_rank
+from distributed import error_on_every_rank, every_rank
 from scenarios import run_all
 
 SCENARIOS = {}
@@ -194,15 +194,6 @@ def export_output(rank, world):
 SCENARIOS["export_output"] = export_output
 
 
-def _error_on_every_rank(fn) -> list[str]:
-    try:
-        fn()
-        got = "no error"
-    except Exception as e:  # noqa: BLE001 -- the figure is what was raised
-        got = f"{type(e).__name__}: {e}"
-    return every_rank(got)
-
-
 def weights_errors(rank, world):
     """Shape mismatch, missing and unexpected keys: WeightsError on every rank, naming each, before
     anything is written; strict=False loads what matches and reports the rest."""
@@ -220,11 +211,11 @@ def weights_errors(rank, world):
         os.makedirs(bad, exist_ok=True)
         save_file(sd, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
     every_rank(None)  # the file is written before anyone reads it
-    out = {"strict": _error_on_every_rank(lambda: engine.load_weights(bad))}
+    out = {"strict": error_on_every_rank(lambda: engine.load_weights(bad))}
     out["unchanged"] = max_diff(engine.full_state_dict(), before)
-    out["at_init"] = _error_on_every_rank(lambda: zeroshard.initialize(build("gpt2", meta=True), make_sgd, {"stage": 2},
+    out["at_init"] = error_on_every_rank(lambda: zeroshard.initialize(build("gpt2", meta=True), make_sgd, {"stage": 2},
                                                                       weights=bad))
-    out["no_folder"] = _error_on_every_rank(lambda: engine.load_weights(folder("nothing_here")))
+    out["no_folder"] = error_on_every_rank(lambda: engine.load_weights(folder("nothing_here")))
     if rank == 0:  # without the mismatched tensor, strict=False loads the rest and reports it
         sd = _files(bad)
         del sd["transformer.wpe.weight"]
@@ -289,7 +280,7 @@ def uninitialised(rank, world):
     def meta_custom():
         with torch.device("meta"):
             return Custom()
-    out = {"plain": _error_on_every_rank(lambda: zeroshard.initialize(meta_custom(), make_sgd, {"stage": 3}))}
+    out = {"plain": error_on_every_rank(lambda: zeroshard.initialize(meta_custom(), make_sgd, {"stage": 3}))}
 
     def init_fn(m):
         custom_init(m)
@@ -406,7 +397,7 @@ def save_over_a_folder(rank, world):
     e.save_pretrained(path)
     return {"first": first, "second": sorted(os.listdir(path)),
             "equal": _equal_to_files(e.full_state_dict(), _files(path)),
-            "into_a_file": _error_on_every_rank(lambda: e.save_pretrained(folder("a_file")))}
+            "into_a_file": error_on_every_rank(lambda: e.save_pretrained(folder("a_file")))}
 
 
 SCENARIOS["save_over_a_folder"] = save_over_a_folder
@@ -500,7 +491,7 @@ def initialiser_isolation(rank, world):
            "bias": sd["bias"].tolist(), "weight_std": sd["weight"].std().item()}
     with torch.device("meta"):
         scaled = Scaled()
-    out["scaled"] = _error_on_every_rank(lambda: zeroshard.initialize(scaled, make_sgd, {"stage": 2}))
+    out["scaled"] = error_on_every_rank(lambda: zeroshard.initialize(scaled, make_sgd, {"stage": 2}))
     with torch.device("meta"):
         gated = Gated()
     out["gated"] = zeroshard.initialize(gated, make_sgd, {"stage": 1}).full_state_dict()["weight"].tolist()

@@ -11,6 +11,7 @@ AdamW within 3e-5 (tests/test_parity.py explains that bound).
 """
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -201,9 +202,56 @@ def test_damaged_files_are_named_and_nothing_is_loaded(one_checkpoint, tmp_path,
 
 def test_export_names_the_damaged_file(one_checkpoint, tmp_path, capsys):
     path = _damaged(one_checkpoint, tmp_path, flip("__0_0.distcp"))
-    assert zeroshard.cli.main(["export", str(path), str(tmp_path / "out")]) == 2
+    assert zeroshard.cli.main(["export", str(path), str(tmp_path / "out")]) == 1
     assert "__0_0.distcp" in capsys.readouterr().err
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def replaced(name):
+    """`name` replaced by 16 zero bytes, its checksum recomputed (so only reading it can tell)."""
+    def how(path):
+        import json
+
+        from zeroshard.checkpoint import SUMS, digest
+        (path / name).write_bytes(bytes(16))
+        sums = json.loads((path / SUMS).read_text())
+        sums[name] = digest(str(path / name))
+        (path / SUMS).write_text(json.dumps(sums))
+    return how
+
+
+def _binary_latest(path):
+    """The checkpoint dir `path` becomes tag 't' of root `path`, whose `latest` is not text."""
+    shutil.move(path, path.parent / "moved")
+    path.mkdir()
+    shutil.move(path.parent / "moved", path / "t")
+    (path / "latest").write_bytes(b"\xff\xfe\x00\x81")
+
+
+@pytest.mark.parametrize("damage, words", [
+    (replaced("__0_0.distcp"), "EOFError: a file ended before its data did"),  # DCP's raw EOFError
+    (flip("__0_0.distcp"), "checksum mismatch"),  # a multi-line message, joined
+    (lambda p: shutil.rmtree(p), "does not exist"),
+    (_binary_latest, "latest does not name a checkpoint (it is not text)"),
+])
+def test_every_export_failure_is_a_checkpoint_error_in_one_line(one_checkpoint, tmp_path, capsys, damage, words):
+    """Issue 30, point 5: a replaced .distcp gave DCP's EOFError, a binary `latest` a
+    UnicodeDecodeError, both as tracebacks. Now export raises CheckpointError, and the command
+    exits 1 with one line on stderr; load_checkpoint names the same in one line, the rest of the
+    cause kept as __cause__."""
+    from zeroshard.export import export
+    path = _damaged(one_checkpoint, tmp_path, damage)
+    with pytest.raises(zeroshard.CheckpointError, match=re.escape(words)):
+        export(str(path), str(tmp_path / "api"), progress=lambda line: None)
+    capsys.readouterr()
+    assert zeroshard.cli.main(["export", str(path), str(tmp_path / "out")]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("zeroshard export: error: ") and words in err[0], err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    with pytest.raises(zeroshard.CheckpointError, match=re.escape(words)) as e:
+        _fresh().load_checkpoint(path)
+    if "EOFError" in words:  # DCP's remote traceback is not in the message
+        assert "\n" not in str(e.value) and "Traceback" not in str(e.value) and e.value.__cause__ is not None
 
 
 class _Payload:

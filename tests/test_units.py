@@ -35,6 +35,29 @@ def test_bad_config_value_names_key_and_valid_values(key, value, valid):
     assert key in str(e.value) and valid in str(e.value)
 
 
+@pytest.mark.parametrize("name, text, words", [
+    ("bad.json", '{"stage": 3,,}', "does not parse as JSON: Expecting property name"),
+    ("bad.toml", "stage = = 3", "does not parse as TOML: Invalid value"),
+    ("binary.json", b"\xff\xfe\x00", "does not parse as JSON"),
+    ("missing.json", None, "cannot read"),
+    ("missing.toml", None, "No such file or directory"),
+])
+def test_a_config_file_that_cannot_be_read_is_named(tmp_path, name, text, words):
+    """Issue 30, point 6: a bare JSONDecodeError/TOMLDecodeError without the file's name, or a
+    FileNotFoundError, is a ValueError naming the file and why, in one line."""
+    path = tmp_path / name
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(str(path))
+    assert type(e.value) is ValueError and str(path) in str(e.value) and words in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="does not parse" if text is not None else "cannot read"):
+        zeroshard.initialize(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), str(path))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_stage3_only_keys_warn_below_stage3(stage):
     with pytest.warns(UserWarning, match=f"cache_chunks=2 has no effect at stage {stage}"):

@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from .checkpoint import CheckpointError
-from .collectives import CollectiveTimeoutError, DivergedError
+from .checkpoint import CheckpointError, PeerLostInCheckpointError
+from .collectives import CollectiveTimeoutError, DivergedError, PeerLostError
 from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
@@ -23,13 +23,14 @@ from .materialize import UninitializedTensorError
 from .module_state import GradientsInChunksError, ModuleMovedError
 from .optimizer import NonFiniteError
 from .param_groups import FrozenParameterError
-from .pretrained import WeightsError
 from .profiler import Profile, profile
 from .tensor_parallel import device_mesh
+from .weight_files import WeightsError
 
-__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile", "CheckpointError", "CollectiveTimeoutError",
-           "DivergedError", "FrozenParameterError", "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError",
-           "NonFiniteError", "UninitializedTensorError", "WeightsError"]
+__all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
+           "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
+           "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
+           "PeerLostError", "PeerLostInCheckpointError", "UninitializedTensorError", "WeightsError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

@@ -1,15 +1,7 @@
 """Checkpoints: every rank writes its own shards through torch.distributed.checkpoint (DCP); any world
 size, stage, chunk size or offload setting loads them, with no conversion step.
 
-Vocabulary:
-- root: the directory given to `save_checkpoint`. It holds, per checkpoint tag (default
-  `step<N>`), a symbolic link `<tag>` to that tag's current *version*, a directory
-  `<tag>.v-<id>`, and `latest`, a small file naming the newest complete tag.
-- version: one save of a tag, never written again once committed. Saving to a tag that exists
-  writes a new version and switches the link to it atomically; a reader resolves the link once and
-  reads that version to the end (or raises, if it was removed meanwhile), never a mix of two saves.
-  The version replaced is kept until the tag is saved again (readers that started on it finish),
-  then removed. Checkpoints of older zeroshard (a plain `<tag>` directory) load as they are.
+Vocabulary (root, tag, version, lease: checkpoint_dirs.py, the layout of a root on disk):
 - piece: the elements of one parameter (or of one elementwise optimizer state) that lie in this
   rank's shard of a chunk: a run of the parameter's row-major elements. DCP stores tensors as boxes,
   so a piece goes to DCP as the few boxes its run covers (whole rows in the middle, part rows at the
@@ -32,7 +24,8 @@ directory, the tag's link switched to it (a new link renamed over the old), and 
 `latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming a complete
 checkpoint: the previous one until the new one is complete (a tag whose link is missing is found at
 its newest complete version). The next save clears what a crash left; `keep` (save_checkpoint)
-removes all but the newest tags. A load checks, before it changes any value: every file's
+removes all but the newest tags. A load holds a lease on the version it reads, so no save removes
+it meanwhile. Checkpoints of older zeroshard (a plain `<tag>` directory) load as they are. A load checks, before it changes any value: every file's
 size and checksum (the ranks split the files between them), that the checkpoint's parameter names
 and shapes are this model's, and that its optimizer state is this optimizer's.
 """
@@ -45,6 +38,7 @@ import logging
 import math
 import os
 import random
+import contextlib
 import re
 import shutil
 import time
@@ -60,20 +54,42 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .checkpoint_dirs import (LATEST, META, SUMS, VERSION, CheckpointError, commit, fsync_dir, held, lease, prune,
+                              remove_leftovers, write_file, write_latest)
 from .optimizer import probe_state
-from .ordering import CHECKPOINT
+from .ordering import CHECKPOINT, PeerLostError, peer_lost
 
 log = logging.getLogger("zeroshard")
 
 FORMAT = 2  # 2: nothing pickled (DCP's metadata as JSON, extra.pt read weights_only); 1 is refused
-LATEST = "latest"
-META = "zeroshard.json"
 EXTRA = "extra.pt"
-SUMS = "checksums.json"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
+class PeerLostInCheckpointError(CheckpointError, PeerLostError):
+    """Another rank was lost while a checkpoint was being saved or loaded: a CheckpointError (what
+    the save or load raises) and a PeerLostError (what every wait raises for a lost peer)."""
+
+
+def cause_line(e: BaseException) -> str:
+    """What `e` was, in one line (DCP's CheckpointException: its first rank's failure); the rest
+    stays in the error's __cause__."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = min(failures.items(), key=lambda kv: kv[0])
+        return f"rank {rank}: {cause_line(wrapped[0] if isinstance(wrapped, tuple) else wrapped)}"
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    if not first and isinstance(e, EOFError):  # torch.load of a file that ends too soon says nothing
+        first = "a file ended before its data did (replaced or cut short)"
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+def failure(e: BaseException, doing: str, timeout_s: float, note: str = "") -> CheckpointError:
+    """The CheckpointError for `e`, raised while `doing` (e.g. "save checkpoint 'step2' in /ckpt"):
+    PeerLostInCheckpointError for a lost or stopped peer, else its cause in one line."""
+    lost = e if isinstance(e, PeerLostError) else peer_lost(e, doing, timeout_s)
+    if lost is not None:
+        return PeerLostInCheckpointError(f"{lost}{note}")
+    return CheckpointError(f"zeroshard: could not {doing}{note}: {cause_line(e)}")
 
 
 # -- pieces: a run of a tensor's elements, as DCP boxes --------------------------------------------
@@ -169,7 +185,7 @@ class SafeWriter(FileSystemWriter):
                                    info.relative_path, info.offset, info.length,
                                    list(info.transform_descriptors or ())])
         path = self._get_metadata_path()
-        _write_file(os.fspath(path), json.dumps(out).encode())
+        write_file(os.fspath(path), json.dumps(out).encode())
 
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -270,130 +286,6 @@ def verify(path: str, name: str, want: dict) -> str | None:
     if digest(full)["sha256"] != want["sha256"]:
         return f"{full}: checksum mismatch (the file changed after it was written: corrupted)"
     return None
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-_VERSION = re.compile(r"(.+)\.v-[0-9a-f]{8}")
-
-
-def _versions(root: str, tag: str) -> list[str]:
-    """The version directories of `tag` in root, oldest first."""
-    names = [n for n in os.listdir(root) if (m := _VERSION.fullmatch(n)) and m.group(1) == tag]
-    return sorted(names, key=lambda n: os.stat(os.path.join(root, n)).st_mtime_ns)
-
-
-def _commit(tmp: str, root: str, tag: str) -> str:
-    """Make the finished `tmp` the tag's new version and switch root/<tag> to it; keep the version it
-    replaced (a reader may be on it), remove older ones."""
-    final = os.path.join(root, tag)
-    version = os.path.join(root, f"{tag}.v-{uuid.uuid4().hex[:8]}")
-    os.replace(tmp, version)
-    previous = os.path.realpath(final) if os.path.islink(final) else None
-    if os.path.isdir(final) and not os.path.islink(final):  # saved by an older zeroshard: a version now
-        previous = os.path.join(root, f"{tag}.v-{uuid.uuid4().hex[:8]}")
-        os.replace(final, previous)
-    link = os.path.join(root, f".link-{uuid.uuid4().hex[:8]}")
-    os.symlink(os.path.basename(version), link)
-    os.replace(link, final)
-    _fsync_dir(root)
-    for name in _versions(root, tag):
-        if os.path.join(root, name) not in (version, previous):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return final
-
-
-def _prune(root: str, keep: int, saved: str) -> None:
-    """Remove all but the newest `keep` tags (by when their current version was written), never
-    `saved`, nor the tag `latest` names."""
-    with open(os.path.join(root, LATEST)) as f:
-        latest = f.read().strip()
-    tags = [n for n in os.listdir(root) if not n.startswith(".") and n != LATEST and not _VERSION.fullmatch(n)
-            and os.path.isfile(os.path.join(root, n, SUMS))]
-    tags.sort(key=lambda n: os.stat(os.path.realpath(os.path.join(root, n))).st_mtime_ns, reverse=True)
-    for tag in tags[keep:]:
-        if tag in (saved, latest):
-            continue
-        full = os.path.join(root, tag)
-        if os.path.islink(full):
-            os.remove(full)
-        else:
-            shutil.rmtree(full, ignore_errors=True)
-        for name in _versions(root, tag):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _write_latest(root: str, tag: str) -> None:
-    """Point root/latest at `tag`: the last step of a save."""
-    tmp = os.path.join(root, f".latest-{uuid.uuid4().hex[:8]}")
-    _write_file(tmp, (tag + "\n").encode())
-    os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
-
-
-def _remove_leftovers(root: str) -> None:
-    """Clear up after crashed saves: remove unfinished `.tmp-*` dirs; an `.old-<tag>-*` dir (a
-    checkpoint set aside to be replaced) goes back to <tag> if the replacement never arrived, else
-    is removed."""
-    for name in sorted(os.listdir(root)):
-        full = os.path.join(root, name)
-        if name.startswith((".tmp-", ".latest-", ".link-")):
-            shutil.rmtree(full, ignore_errors=True) if os.path.isdir(full) else os.remove(full)
-        elif name.startswith(".old-"):
-            tag = os.path.join(root, name[5:].rsplit("-", 1)[0])
-            if os.path.isdir(tag):
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                os.replace(full, tag)
-
-
-def resolve(path, tag: str | None = None) -> str:
-    """The checkpoint directory for `path`: a checkpoint dir itself, or a root whose `latest` (or the
-    given tag) names one; a tag's link resolved once, to the version it names now."""
-    path = os.path.abspath(os.fspath(path))
-    named = tag is None  # the tag comes from `latest`
-    if tag is not None:
-        found = os.path.join(path, tag)
-    elif os.path.isfile(os.path.join(path, META)) or os.path.isfile(os.path.join(path, SUMS)):
-        found = path
-    elif os.path.isfile(os.path.join(path, LATEST)):
-        with open(os.path.join(path, LATEST)) as f:
-            tag = f.read().strip()
-        found = os.path.join(path, tag)
-        if not tag or os.sep in tag or tag.startswith("."):
-            raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST)} does not name a checkpoint ({tag!r})")
-    elif not os.path.exists(path):
-        raise CheckpointError(f"zeroshard: no checkpoint at {path}: it does not exist")
-    else:
-        raise CheckpointError(f"zeroshard: no checkpoint at {path}: it has neither a '{LATEST}' file nor {META}")
-    if tag is not None and not os.path.isdir(found):
-        # A crash while the tag was being replaced: its newest complete version, or (older
-        # zeroshard) the checkpoint set aside as .old-<tag>-<id>.
-        versions = [n for n in _versions(path, tag) if os.path.isfile(os.path.join(path, n, SUMS))] \
-            if os.path.isdir(path) else []
-        old = sorted(n for n in os.listdir(path) if n.startswith(f".old-{tag}-")) if os.path.isdir(path) else []
-        if not versions and not old:
-            raise CheckpointError(f"zeroshard: {os.path.join(path, LATEST) if named else path} names {tag!r}, but "
-                                  f"{found} does not exist")
-        found = os.path.join(path, versions[-1] if versions else old[-1])
-    found = os.path.realpath(found)
-    if not os.path.isfile(os.path.join(found, SUMS)):
-        raise CheckpointError(f"zeroshard: {found} is not a complete zeroshard checkpoint: {SUMS} is missing "
-                              "(its save did not finish)")
-    return found
 
 
 def read_sums(path: str) -> dict:
@@ -632,7 +524,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
                               "would be lost); save after engine.step() has applied the update")
     kinds = _optim_kinds(engine)
     tag = tag if tag is not None else f"step{engine.steps}"
-    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or _VERSION.fullmatch(tag):
+    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or VERSION.fullmatch(tag):
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
                               f"starting with '.', not '{LATEST}', not ending in '.v-' and 8 hex digits)")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -643,7 +535,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     if comm.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            _remove_leftovers(root)
+            remove_leftovers(root)
             tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
         except OSError as e:  # every rank must reach the broadcast
             error = f"zeroshard: cannot write checkpoints in {root}: {e}"
@@ -665,9 +557,9 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
             try:
                 _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
                 if keep is not None:
-                    _prune(root, keep, tag)
+                    prune(root, keep, tag)
             except Exception as e:  # reported on every rank below
-                error = f"{type(e).__name__}: {e}"
+                error = cause_line(e)
         error = comm.broadcast_object(error)
         if error is not None:
             raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed: {error}")
@@ -678,8 +570,8 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
             raise
         # torch's CheckpointException (a full or read-only disk in a writer) is a BaseException:
         # an `except Exception` around save_checkpoint must catch it.
-        raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed (the checkpoints already "
-                              f"there are intact): {type(e).__name__}: {e}") from e
+        raise failure(e, f"save checkpoint {tag!r} in {root}", comm.timeout_s,
+                      " (the checkpoints already there are intact)") from e
     final = os.path.join(root, tag)
     if comm.rank == 0:
         size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final))
@@ -698,7 +590,7 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kin
             **describe_model(engine), "optim_state": kinds,
             "hf_config": _hf_config(engine.module),
             "tensor_parallel": engine.tp.describe(engine.params, engine.names) if engine.tp else None}
-    _write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
+    write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
     buf = io.BytesIO()
     torch.save({"client_state": client_state, "param_groups": groups}, buf)
@@ -708,13 +600,13 @@ def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kin
         raise CheckpointError("client_state (and the optimizer's hyperparameters) must hold only tensors, numbers, "
                               "strings, None, and lists, tuples and dicts of them: a checkpoint is loaded without "
                               f"unpickling code ({type(e).__name__}: {e})") from None
-    _write_file(os.path.join(tmp, EXTRA), buf.getvalue())
+    write_file(os.path.join(tmp, EXTRA), buf.getvalue())
     for name in (".metadata", META, EXTRA):
         sums[name] = digest(os.path.join(tmp, name))
-    _write_file(os.path.join(tmp, SUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
-    _fsync_dir(tmp)
-    _commit(tmp, root, tag)
-    _write_latest(root, tag)
+    write_file(os.path.join(tmp, SUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
+    fsync_dir(tmp)
+    commit(tmp, root, tag)
+    write_latest(root, tag)
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -726,7 +618,7 @@ def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> d
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        raise CheckpointError(f"zeroshard: loading checkpoint {path} failed: {type(e).__name__}: {e}") from e
+        raise failure(e, f"load checkpoint {path}", engine.comm.timeout_s) from e
 
 
 def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
@@ -737,15 +629,31 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
     _quiesce(engine)
     comm = engine.comm
     t0 = time.perf_counter()
-    found = error = None
-    if comm.rank == 0:  # one resolution of `latest` for everyone
-        try:
-            found = resolve(path, tag)
-        except Exception as e:  # every rank must reach the broadcast
-            error = str(e) if isinstance(e, CheckpointError) else f"zeroshard: reading {path}: {e}"
-    found, error = comm.broadcast_object((found, error))
-    if error:
-        raise CheckpointError(error)
+    with contextlib.ExitStack() as leases:
+        found = error = None
+        if comm.rank == 0:  # one resolution of `latest` for everyone
+            try:
+                found = leases.enter_context(lease(path, tag))
+            except Exception as e:  # every rank must reach the broadcast
+                error = str(e) if isinstance(e, CheckpointError) else f"zeroshard: reading {path}: {e}"
+        found, error = comm.broadcast_object((found, error))
+        if error:
+            raise CheckpointError(error)
+        missing = None
+        if comm.rank != 0:
+            try:
+                leases.enter_context(held(found))
+            except CheckpointError as e:
+                missing = f"rank {comm.rank}: {e}"
+        missing = next((m for m in comm.all_gather_objects(missing) if m), None)
+        if missing:  # on every rank, not a wait on the others
+            raise CheckpointError(missing)
+        return _load_version(engine, found, load_optimizer, t0)
+
+
+def _load_version(engine, found: str, load_optimizer: bool, t0: float) -> dict:
+    """_load of version directory `found`, which every rank holds a lease on."""
+    comm = engine.comm
     sums = read_sums(found)
     meta = read_meta(found, sums)
     why = mismatch(meta, describe_model(engine))

@@ -368,8 +368,10 @@ def cmd_export(args) -> int:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     try:
         export(args.ckpt, args.out, dtype=dtype, verify=not args.no_verify)
-    except CheckpointError as err:
-        raise UsageError(str(err).removeprefix("zeroshard: ")) from None
+    except CheckpointError as err:  # one line, no traceback: the checkpoint's fault, not the command's
+        text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"zeroshard export: error: {text.removeprefix('zeroshard: ')}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -24,9 +24,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .ordering import (OTHER, CollectiveTimeoutError, DivergedError, OrderCheck, Sequencer,  # noqa: F401 (errors:
-                       check_group, describe_tag, forget_check_groups, has_check_group, order_tag,  # public here)
-                       wait_for)
+from .ordering import (OTHER, CollectiveTimeoutError, DivergedError, OrderCheck, PeerLostError,  # noqa: F401
+                       Sequencer, check_group, describe_tag, forget_check_groups, has_check_group,  # (errors:
+                       order_tag, wait_for, waiting)  # public here)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
@@ -205,15 +205,21 @@ class Comm:
         if self.sequencer is not None:
             self.sequencer.agree(order_tag(kind, 0, self.pass_index))
 
-    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool):
+    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective"):
         """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
-        over, its caller having compared a tag for the batch (ordering.PUBLISH)."""
+        over, its caller having compared a tag for the batch (ordering.PUBLISH). A lost or stopped
+        peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step."""
         if self.closed:
             raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
         what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
-            (lambda: "finish a collective" + self._where())
+            (lambda: f"{purpose} in micro-batch {self.pass_index}{self._where()}")
+        issue = collective
+
+        def collective():
+            with waiting(what, self.timeout_s):
+                return issue()
         if self.sequencer is None:
             work = collective()
         elif tag is not None:
@@ -281,7 +287,7 @@ class Comm:
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
-        return self._issue(tag, collective, async_op)
+        return self._issue(tag, collective, async_op, "all-gather a chunk")
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
@@ -317,7 +323,7 @@ class Comm:
         else:
             def collective():
                 return _reduce_scatter_single(shard, full, group=self.group, async_op=True)
-        return self._issue(tag, collective, async_op)
+        return self._issue(tag, collective, async_op, "reduce-scatter gradients")
 
     def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """t <- sum over ranks of t, in place. Counts 2*len(t)."""
@@ -331,13 +337,14 @@ class Comm:
         else:
             def collective():
                 return dist.all_reduce(t, group=self.group, async_op=True)
-        return self._issue(tag, collective, async_op)
+        return self._issue(tag, collective, async_op, "all-reduce gradients")
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Uncounted: used only at set-up, outside any step."""
         if self.world > 1:
             src = dist.get_global_rank(self.group, src) if self.group else src
-            self._in_place(t, lambda x: dist.broadcast(x, src=src, group=self.group, async_op=True))
+            self._in_place(t, lambda x: dist.broadcast(x, src=src, group=self.group, async_op=True),
+                           f"receive rank {src}'s values")
 
     def broadcast_object(self, obj, src: int = 0):
         """Rank `src`'s picklable `obj`, on every rank (set-up and checkpoints, not steps)."""
@@ -345,8 +352,10 @@ class Comm:
             return obj
         self._agree_here()
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
-                                   group=self.group)
+        with waiting(lambda: f"receive rank {src}'s decision in micro-batch {self.pass_index}{self._where()}",
+                     self.timeout_s):
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, src) if self.group else src,
+                                       group=self.group)
         return box[0]
 
     def all_gather_objects(self, obj) -> list:
@@ -355,7 +364,8 @@ class Comm:
             return [obj]
         self._agree_here()
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        with waiting(lambda: f"hear from every rank in micro-batch {self.pass_index}{self._where()}", self.timeout_s):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def control_all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
@@ -363,10 +373,11 @@ class Comm:
         if self.world > 1:
             self.control_collectives += 1
             self._in_place(t, lambda x: dist.all_reduce(x, op=op or dist.ReduceOp.SUM, group=self.group,
-                                                         async_op=True))
+                                                         async_op=True),
+                           "agree on the step's gradient flags and norm")
         return t
 
-    def _in_place(self, t: torch.Tensor, collective) -> None:
+    def _in_place(self, t: torch.Tensor, collective, purpose: str) -> None:
         """A blocking in-place `collective(tensor)` (async, returns its work) on t, through a host
         copy where the group is staged."""
         def run():
@@ -374,4 +385,4 @@ class Comm:
                 return collective(t)
             host = t.cpu()
             return _staged(collective(host), host, t)
-        self._issue(None, run, async_op=False)
+        self._issue(None, run, async_op=False, purpose=purpose)

@@ -96,6 +96,9 @@ class Config:
         default, [] none. A mixture of experts with one module per expert needs its blocks to be
         leaves at stage 3: each rank runs only the experts its tokens were routed to, and
         gathering per expert would make ranks gather different chunks (DivergedError).
+    allow_nonfinite_weights: pretrained weights (initialize's `weights`, engine.load_weights) that
+        hold NaN or inf are refused with WeightsError naming the tensors, unless this is True (a
+        checkpoint that holds them on purpose).
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -128,6 +131,7 @@ class Config:
     tensor_parallel: int = 1
     partition_activations: bool = False
     leaf_modules: str | tuple[str, ...] = "auto"
+    allow_nonfinite_weights: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,7 +190,7 @@ class Config:
             if getattr(self, key) not in ("compute", "fp32"):
                 bad(key, "'compute' (the precision's dtype) or 'fp32'")
         for key in ("prefetch", "check_order", "offload_optimizer", "offload_params", "offload_activations",
-                    "cast_forward_inputs"):
+                    "cast_forward_inputs", "allow_nonfinite_weights"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")
         if isinstance(self.initial_loss_scale, bool) or not isinstance(self.initial_loss_scale, (int, float)) \
@@ -252,14 +256,17 @@ def load_config(cfg: Config | dict | str | os.PathLike | None) -> Config:
         return cfg
     if isinstance(cfg, (str, os.PathLike)):
         path = os.fspath(cfg)
-        if path.endswith(".toml"):
-            with open(path, "rb") as f:
-                cfg = tomllib.load(f)
-        elif path.endswith(".json"):
-            with open(path) as f:
-                cfg = json.load(f)
-        else:
+        if not path.endswith((".toml", ".json")):
             raise ValueError(f"zeroshard config: {path!r} must be a .json or .toml file")
+        try:
+            with open(path, "rb") as f:
+                cfg = tomllib.load(f) if path.endswith(".toml") else json.loads(f.read())
+        except OSError as e:
+            raise ValueError(f"zeroshard config: cannot read {path!r}: {e.strerror or e}") from None
+        except (ValueError, tomllib.TOMLDecodeError) as e:  # JSONDecodeError, UnicodeDecodeError included
+            kind = "TOML" if path.endswith(".toml") else "JSON"
+            raise ValueError(f"zeroshard config: {path!r} does not parse as {kind}: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"zeroshard config must be a Config, a dict or a path, not {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(Config)}

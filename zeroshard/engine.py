@@ -33,7 +33,7 @@ from .materialize import InitialValues
 from .module_state import (StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad,
                            sync_generation)
 from .offload import Placement, Transfer
-from .ordering import STEP
+from .ordering import STEP, waiting
 from .optimizer import LossScaler, ShardedOptimizer, as_factory, default_optimizer
 from .planner import plan_for, profiled_sequence
 from .precision import InputCasts, cast_buffers
@@ -100,7 +100,8 @@ class Engine:
 
         self.params, self.names = list_parameters(module)
         self.shapes = {id(p): local_shape(p) for p in self.params}  # what this rank stores of each
-        start = InitialValues(module, self.params, weights, init_fn, config.init_seed)
+        start = InitialValues(module, self.params, weights, init_fn, config.init_seed,
+                              config.allow_nonfinite_weights)
         if self.tp is not None:
             self.tp.sync_replicated(self.params)
         start.check(self.world_comm)  # collective: a file a rank cannot read raises on every rank
@@ -206,7 +207,8 @@ class Engine:
         if torch.is_grad_enabled() and self.module.training:
             self.meter.forward(args, kwargs)
         try:
-            return self._forward(*self._to_device((args, kwargs)))
+            with self._waits("run the forward"):
+                return self._forward(*self._to_device((args, kwargs)))
         finally:
             self.phase = TrainingPhase.IDLE
 
@@ -282,12 +284,20 @@ class Engine:
             loss = self.scaler.scale_loss(loss)
         self._begin_backward()
         try:
-            loss.backward()
+            with self._waits("run the backward"):
+                loss.backward()
         except BaseException:
             self._abandon_backward()
             raise
         if self.phase is TrainingPhase.BACKWARD:  # not ended by autograd's callback (see _grad_arrived)
             self._end_backward()
+
+    def _waits(self, doing: str):
+        """Around an entry point: a peer lost in a collective zeroshard does not issue itself (the
+        model's own tensor-parallel collectives, transformers' synced generation) raises
+        PeerLostError naming it too (ordering.waiting)."""
+        return waiting(lambda: f"{doing} of micro-batch {self.micro_steps} at optimizer step {self.comm.step}",
+                       self.comm.timeout_s)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -379,10 +389,11 @@ class Engine:
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
         try:
-            if self.reducer.unreduced:  # the window's last backward ran under no_sync()
-                self.comm.pass_index = self.micro_steps
-                self.reducer.reduce_unreduced(self.chunks)
-            applied = self.optim.step()
+            with self._waits("run the optimizer step after"):
+                if self.reducer.unreduced:  # the window's last backward ran under no_sync()
+                    self.comm.pass_index = self.micro_steps
+                    self.reducer.reduce_unreduced(self.chunks)
+                applied = self.optim.step()
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
             self.phase = TrainingPhase.IDLE
             self.optim.zero_grads()

@@ -11,6 +11,7 @@ for a model that has a transformers config, `config.json`: a folder `from_pretra
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -22,12 +23,13 @@ import time
 
 import torch
 
-from .checkpoint import CheckpointError, SafeReader, dcp_load, read_extra, read_meta, read_sums, resolve, verify_all
+from .checkpoint import CheckpointError, SafeReader, cause_line, dcp_load, read_extra, read_meta, read_sums, verify_all
+from .checkpoint_dirs import lease
+from .weight_files import WEIGHTS
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
-WEIGHTS = "model.safetensors"
 
 
 def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, batch_bytes: int = 64 << 20,
@@ -39,10 +41,21 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     most half the largest shard).
     verify: check every file's checksum first. progress: called with one line of text now and then;
     by default a progress bar on stderr when it is a terminal, and the closing line."""
+    try:
+        with contextlib.ExitStack() as leases:  # no save removes what is being read (checkpoint_dirs)
+            parts = [leases.enter_context(lease(d)) for d in tensor_parallel_dirs(ckpt) or [ckpt]]
+            return _export(ckpt, parts, out, dtype, verify, batch_bytes, progress)
+    except (CheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # a damaged file DCP or torch could not read, a full disk, ...
+        raise CheckpointError(f"zeroshard: export of {os.fspath(ckpt)} to {os.fspath(out)} failed: "
+                              f"{cause_line(e)}") from e
+
+
+def _export(ckpt, parts: list[str], out, dtype, verify: bool, batch_bytes: int, progress) -> str:
     say = progress or (lambda line: print(line, file=sys.stderr, flush=True))
     lines = progress  # None: a progress bar instead of lines while writing
     t0 = time.perf_counter()
-    parts = [resolve(d) for d in tensor_parallel_dirs(ckpt)] or [resolve(ckpt)]
     metas, largest = [], 0
     for part in parts:
         sums = read_sums(part)
@@ -91,11 +104,9 @@ def export(ckpt, out, dtype: torch.dtype | None = None, verify: bool = True, bat
     try:
         _write(out_file, entries, _Sources(parts, readers, split), batch_bytes, total, lines)
         out_file.commit()
-    except BaseException as e:
+    except BaseException:
         out_file.abort()
-        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
-            raise
-        raise CheckpointError(f"zeroshard export: reading {path} failed: {type(e).__name__}: {e}") from e
+        raise
     if folder and meta.get("hf_config") is not None:
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(meta["hf_config"], f, indent=2)
@@ -162,7 +173,13 @@ class _Sources:
             wanted = [s for s in sources if (s in self.split or r == 0) and s in saved]
             state = {s: torch.empty(saved[s].size, dtype=saved[s].properties.dtype) for s in wanted}
             if state:
-                dcp_load(state, part)
+                try:
+                    dcp_load(state, part)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as e:  # DCP's CheckpointException included
+                    raise CheckpointError(f"zeroshard: the tensor files (__*.distcp) of {part} could not be read: "
+                                          f"{cause_line(e)}") from e
             for s, t in state.items():
                 pieces.setdefault(s, []).append(t)
         return {s: torch.cat(ts, dim=self.split[s]["dim"]) if s in self.split else ts[0] for s, ts in pieces.items()}
@@ -193,6 +210,18 @@ def _write(out: "StreamedSafetensors", entries, sources: _Sources, batch_bytes: 
             if say is not None and total and written / total >= next_report:
                 say(f"zeroshard export: {written / 1e6:,.1f} / {total / 1e6:,.1f} MB")
                 next_report = written / total + 0.1
+
+
+PARTIAL = re.compile(r".+\.partial(-\d+)?")  # a file being written (StreamedSafetensors, an index)
+
+
+def remove_partials(folder: str) -> list[str]:
+    """Remove the partial files a save that never finished left in `folder` (a killed rank's).
+    Returns their names."""
+    gone = [n for n in os.listdir(folder) if PARTIAL.fullmatch(n)]
+    for n in gone:
+        os.remove(os.path.join(folder, n))
+    return gone
 
 
 class StreamedSafetensors:

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .pretrained import WeightFiles, WeightsError, agree, match
+from .weight_files import WeightFiles, WeightsError, agree, match
 from .tensor_parallel import as_dtensor, local, region, shard_of
 
 log = logging.getLogger("zeroshard")
@@ -227,7 +227,7 @@ class InitialValues:
     """
 
     def __init__(self, module: nn.Module, params: list[nn.Parameter], weights=None,
-                 init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0):
+                 init_fn: Callable[[nn.Module], None] | None = None, seed: int = 0, allow_nonfinite: bool = False):
         self.module = module
         self.weights = weights
         self.meta = {id(p) for p in params if p.is_meta}
@@ -239,7 +239,7 @@ class InitialValues:
         self.read_errors: list[str] = []  # reads that failed while the chunks were built (rank-local)
         if weights is not None:
             try:
-                self.files = WeightFiles(weights)
+                self.files = WeightFiles(weights, allow_nonfinite)
                 m = match(self.files, module, list(module.state_dict(keep_vars=True).items()), {})
                 self.problems = m.problems(strict=False)
                 self.source, self.missing, self.unexpected = m.source, m.missing, m.unexpected

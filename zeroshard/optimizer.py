@@ -41,7 +41,7 @@ import threading
 import torch
 
 from .chunks import fold_host_grad
-from .ordering import PUBLISH
+from .ordering import PUBLISH, DivergedError, PeerLostError
 from .param_groups import ParamGroups, as_factory
 
 
@@ -454,6 +454,8 @@ class ShardedOptimizer:
         self._thread.join()
         self._thread, outcome, self._outcome = None, self._outcome, None
         self.update = UpdateState.IDLE
+        if isinstance(outcome, (PeerLostError, DivergedError)):  # named already, for every rank alike
+            raise outcome
         if isinstance(outcome, BaseException):
             raise RuntimeError("zeroshard: the delayed optimizer step failed in its background thread: "
                                f"{type(outcome).__name__}: {outcome}") from outcome

@@ -31,6 +31,7 @@ tensors: a host round trip per collective, never a host-device synchronisation.
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -56,22 +57,61 @@ class DivergedError(RuntimeError):
     """Ranks were about to issue different collectives: their call order diverged."""
 
 
-class CollectiveTimeoutError(RuntimeError):
+class PeerLostError(RuntimeError):
+    """Another rank is gone while this one waited for it: it died, was killed or exited (its
+    connections closed: raised at once), or it stopped or hung (CollectiveTimeoutError, after
+    config collective_timeout_s). The message names what was being waited for and the optimizer
+    step; the backend's own error is the cause."""
+
+
+class CollectiveTimeoutError(PeerLostError):
     """A collective waited longer than config collective_timeout_s for the other ranks: one of them
     is stopped, hung, or far behind (a rank that died usually shows at once, as a closed connection)."""
 
 
-def wait_for(work, what, timeout_s: float) -> None:
-    """work.wait(), a timeout raised as CollectiveTimeoutError naming `what` (a string, or a
-    callable giving one: made only on failure)."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        if "timed out" not in str(e).lower():
-            raise
-        raise CollectiveTimeoutError(
+# How gloo and NCCL say that the other end of a connection is gone.
+_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+         "ncclremoteerror", "socket closed")
+_TIMED_OUT = ("timed out", "timeout caused pair closure")
+
+
+def peer_lost(e: BaseException, what, timeout_s: float) -> PeerLostError | None:
+    """The named error for a collective's failure `e` while waiting to do `what` (a string, or a
+    callable giving one), or None when `e` is not about a peer."""
+    text = str(e).lower()
+    if any(s in text for s in _TIMED_OUT):
+        return CollectiveTimeoutError(
             f"zeroshard: waited {timeout_s:g} s (config collective_timeout_s) for the other ranks to "
-            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind") from e
+            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind")
+    if any(s in text for s in _GONE):
+        said = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        said = said.split("] ", 1)[-1].split(". This is typically")[0][:160]  # without gloo's location and advice
+        return PeerLostError(
+            f"zeroshard: another rank is gone (it died, was killed or exited) while this rank waited for the "
+            f"other ranks to {what() if callable(what) else what} ({said})")
+    return None
+
+
+def wait_for(work, what, timeout_s: float) -> None:
+    """work.wait(), a lost or stopped peer raised as PeerLostError (CollectiveTimeoutError for a
+    timeout) naming `what` (a string, or a callable giving one: made only on failure)."""
+    with waiting(what, timeout_s):
+        work.wait()
+
+
+@contextlib.contextmanager
+def waiting(what, timeout_s: float):
+    """Around a collective's issue or a blocking one: a lost or stopped peer raised as
+    PeerLostError naming `what`; anything else as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, PeerLostError):
+            raise
+        named = peer_lost(e, what, timeout_s)
+        if named is None:
+            raise
+        raise named from e
 
 
 class OrderCheck:
@@ -91,7 +131,8 @@ class OrderCheck:
         self.raise_if_failed()
         buf = torch.tensor([tag, -tag], dtype=torch.int64)
         self.comparisons += 1
-        return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        with waiting(lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}", self.timeout_s):
+            return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def finish(self, tag: int, buf: torch.Tensor, work) -> None:
         wait_for(work, lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}",

@@ -1,20 +1,9 @@
 """Pretrained weights in and out, in the Hugging Face layout, streamed so that no rank ever holds the
 whole model.
 
-Vocabulary:
-- weight files: `model.safetensors`, or a sharded set named by `model.safetensors.index.json` (its
-  `weight_map`: key -> file), in a folder; or one `.safetensors` file (a `zeroshard export` output is
-  either). `WeightFiles` reads any of them as one key -> tensor map.
-- reading a range: a rank asks for elements [lo, hi) of a tensor, flattened; safetensors reads only
-  the rows that hold them (a slice of the first dimension), from a file mapping opened for that one
-  read, so that the pages it touched leave this process's memory with it.
-- matching: file keys are matched to the model's state_dict keys as `load_state_dict(strict=True)`
-  matches them. Tied weights are one tensor under several keys: any one of its keys in the file
-  gives its value, and a file holds it once. Keys that transformers models list as ignorable
-  (`_keys_to_ignore_on_load_missing/unexpected`) are ignored, and the base model's prefix is added
-  or removed when the file is of the base model (`GPT2Model` weights into `GPT2LMHeadModel`, as
-  `from_pretrained` does). Anything else missing, unexpected or of another shape is a WeightsError
-  that lists them all.
+Reading the files and matching their keys: weight_files.py.
+- load_weights: each rank reads only the ranges its chunks keep, straight into them; every range
+  is read once first when non-finite values are refused, so a refused file writes nothing.
 - save_pretrained: the values are taken chunk by chunk (each gathered in fp32 from the masters on
   every rank, one chunk at a time), and the files of the set are written by the ranks in turn (file
   i by rank i mod world), each at its place in its file (export.StreamedSafetensors). So a rank
@@ -29,177 +18,16 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-from .export import WEIGHTS, StreamedSafetensors
+from .export import StreamedSafetensors, remove_partials
 from .tensor_parallel import region, whole_shape
+from .weight_files import INDEX, WEIGHTS, Match, WeightFiles, WeightsError, agree, match
 
 log = logging.getLogger("zeroshard")
-
-INDEX = "model.safetensors.index.json"
-READ_BLOCK = 16 << 20  # bytes of a file mapped at once
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
-
-
-class WeightsError(RuntimeError):
-    """Pretrained weights could not be loaded or saved: unreadable files, or keys missing,
-    unexpected or of the wrong shape (all listed). Raised on every rank."""
-
-
-class WeightFiles:
-    """A folder or file of safetensors weights (see the module docstring), read a range at a time."""
-
-    def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
-        path = os.path.abspath(os.fspath(path))
-        if os.path.isdir(path):
-            if os.path.exists(os.path.join(path, WEIGHTS)):  # transformers' order: the single file first
-                files = [os.path.join(path, WEIGHTS)]
-            elif os.path.exists(os.path.join(path, INDEX)):
-                try:
-                    with open(os.path.join(path, INDEX)) as f:
-                        weight_map = json.load(f)["weight_map"]
-                except Exception as e:  # noqa: BLE001 -- named
-                    raise WeightsError(f"zeroshard: cannot read {os.path.join(path, INDEX)}: {type(e).__name__}: {e}") \
-                        from e
-                files = [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-            else:
-                other = [n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth"))]
-                raise WeightsError(f"zeroshard: {path} holds neither {WEIGHTS} nor {INDEX}" + (
-                    f" ({', '.join(other)} are pickles, which zeroshard does not read: convert them to safetensors)"
-                    if other else ""))
-        elif os.path.isfile(path) and path.endswith(".safetensors"):
-            files = [path]
-        else:
-            raise WeightsError(f"zeroshard: {path} is neither a folder of safetensors weights nor a .safetensors file")
-        self.path = path
-        self.entries: dict[str, tuple[str, tuple[int, ...]]] = {}  # key -> (file, shape)
-        self.dtypes: dict[str, torch.dtype] = {}
-        for name in files:
-            try:
-                with safe_open(name, framework="pt") as f:
-                    for key in f.keys():
-                        s = f.get_slice(key)
-                        self.entries[key] = (name, tuple(s.get_shape()))
-                        self.dtypes[key] = _DTYPES.get(s.get_dtype(), torch.float32)
-            except Exception as e:  # noqa: BLE001 -- a missing or damaged file, named
-                raise WeightsError(f"zeroshard: cannot read {name}: {type(e).__name__}: {e}") from e
-
-    def blocks(self, key: str, lo: int, hi: int, region=None) -> Iterator[torch.Tensor]:
-        """Elements [lo, hi) of tensor `key`, flattened, in the file's dtype, as consecutive blocks of
-        whole rows of at most READ_BLOCK bytes, each read through a mapping of its own (see the
-        module docstring): a caller that writes each block away holds no more than one.
-        `region`: (offset, shape) of a block of the tensor (a tensor-parallel shard,
-        tensor_parallel.region); [lo, hi) then count the elements of that block, flattened."""
-        from safetensors import safe_open
-
-        name, whole = self.entries[key]
-        offset, shape = region if region is not None else ((0,) * len(whole), whole)
-        inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))
-        dtype = self.dtypes[key]
-        row = math.prod(shape[1:]) if shape else 1
-        if len(shape) == 0 or row == 0 or hi <= lo:
-            with safe_open(name, framework="pt") as f:
-                t = f.get_tensor(key)
-                yield (t[(slice(offset[0], offset[0] + shape[0]),) + inner] if region and shape else t) \
-                    .reshape(-1)[lo:hi].clone()
-            return
-        step = max(1, READ_BLOCK // (row * dtype.itemsize))
-        end = -(-hi // row)
-        for first in range(lo // row, end, step):
-            last = min(end, first + step)
-            with safe_open(name, framework="pt") as f:
-                rows = f.get_slice(key)[(slice(offset[0] + first, offset[0] + last),) + inner].reshape(-1)
-            a, b = max(lo, first * row), min(hi, last * row)
-            yield rows[a - first * row:b - first * row]
-
-    def read(self, key: str, lo: int, hi: int, region=None) -> torch.Tensor:
-        """Elements [lo, hi) of tensor `key` (of its `region`), flattened, in the file's dtype."""
-        return torch.cat(list(self.blocks(key, lo, hi, region)))
-
-    def read_all(self, key: str) -> torch.Tensor:
-        shape = self.entries[key][1]
-        return self.read(key, 0, math.prod(shape)).view(shape)
-
-
-@dataclass
-class Match:
-    """How the model's tensors map to file keys."""
-
-    source: dict[int, str] = field(default_factory=dict)  # id(tensor) -> file key holding its value
-    missing: list[str] = field(default_factory=list)  # model keys with no value in the file
-    unexpected: list[str] = field(default_factory=list)  # file keys the model does not have
-    mismatched: list[str] = field(default_factory=list)  # "key: file shape vs model shape"
-
-    def problems(self, strict: bool) -> list[str]:
-        out = [f"size mismatch for {m}" for m in self.mismatched]
-        if strict and self.missing:
-            out.append("missing keys: " + ", ".join(self.missing))
-        if strict and self.unexpected:
-            out.append("unexpected keys: " + ", ".join(self.unexpected))
-        return out
-
-
-def _regexes(module: nn.Module, attr: str) -> list[re.Pattern]:
-    return [re.compile(r) for r in (getattr(module, attr, None) or ())]
-
-
-def match(files: WeightFiles, module: nn.Module, state_keys: list[tuple[str, object]],
-          shapes: dict[int, torch.Size]) -> Match:
-    """Match the file's keys to `state_keys` (the module's state_dict keys with their tensors;
-    `shapes`: id(tensor) -> the model's shape, for parameters whose storage the chunks hold)."""
-    keys_of: dict[int, list[str]] = {}
-    shape_of: dict[int, torch.Size] = {}
-    for key, t in state_keys:
-        keys_of.setdefault(id(t), []).append(key)
-        shape_of[id(t)] = shapes.get(id(t), getattr(t, "shape", None))
-    expected = {k for ks in keys_of.values() for k in ks}
-    in_file = {k: k for k in files.entries}
-    prefix = getattr(module, "base_model_prefix", "") or ""
-    if prefix:  # as from_pretrained: one side has the base model's prefix and the other has none
-        p = prefix + "."
-        file_has, model_has = any(k.startswith(p) for k in in_file), any(k.startswith(p) for k in expected)
-        if model_has and not file_has:  # a base model's weights into a model with a head
-            in_file = {p + k: k for k in files.entries}
-        elif file_has and not model_has:  # a head model's weights into its base
-            in_file = {(k[len(p):] if k.startswith(p) else k): k for k in files.entries}
-    out = Match()
-    ignore_missing = _regexes(module, "_keys_to_ignore_on_load_missing")
-    ignore_unexpected = _regexes(module, "_keys_to_ignore_on_load_unexpected")
-    for tid, keys in keys_of.items():
-        found = [in_file[k] for k in keys if k in in_file]
-        if not found:
-            if not any(r.search(k) for r in ignore_missing for k in keys):
-                out.missing.append(keys[0])
-            continue
-        got = files.entries[found[0]][1]
-        want = tuple(shape_of[tid]) if shape_of[tid] is not None else None
-        if want is not None and got != want:
-            out.mismatched.append(f"{keys[0]}: the file has {list(got)}, the model {list(want)}")
-            continue
-        out.source[tid] = found[0]
-    # A non-persistent buffer in an older checkpoint (position ids, rotary frequencies) is not
-    # unexpected: the model computes it (transformers ignores it too).
-    computed = {n for n, _ in module.named_buffers()} - expected
-    out.unexpected = [fk for mk, fk in in_file.items()
-                      if mk not in expected and mk not in computed and not any(r.search(mk) for r in ignore_unexpected)]
-    return out
-
-
-def agree(comm, problems: list[str], error=WeightsError, what: str = "") -> None:
-    """Collective: raise `error` on every rank if any rank has problems (listing every rank's)."""
-    every = comm.all_gather_objects(problems)
-    lines = list(dict.fromkeys(p for ps in every for p in ps))
-    if lines:
-        raise error(f"zeroshard: {what}" + "".join(f"\n  {line}" for line in lines))
-
 
 @torch.no_grad()
 def load_weights(engine, path, strict: bool = True) -> Match:
@@ -207,27 +35,42 @@ def load_weights(engine, path, strict: bool = True) -> Match:
     problems, m = [], None
     comm = engine.world_comm  # a rank alone must not stop
     try:
-        files = WeightFiles(path)
+        files = WeightFiles(path, engine.zeroshard_config.allow_nonfinite_weights)
         shapes = {id(p): whole_shape(p, engine.shapes[id(p)]) for p in engine.params}
         m = match(files, engine.module, engine.state_keys, shapes)
         problems = m.problems(strict)
     except WeightsError as e:
         problems = [str(e)]
     agree(comm, problems, what=f"cannot load {os.fspath(path)}:")
+    params = {id(p) for p in engine.params}
+    reads = []  # what this rank reads: (chunk, slot, lo, hi, file key), its held range of each parameter
+    for c in engine.chunks:
+        lo, hi = c.held_range()
+        for s in c.slots:
+            a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+            if id(s.param) in m.source and a < b:
+                reads.append((c, s, a, b, m.source[id(s.param)]))
+    buffers = [(t, m.source[id(t)]) for _, t in engine.state_keys if id(t) in m.source and id(t) not in params]
+    if not files.allow_nonfinite:  # read everything once before writing anything: a refusal changes nothing
+        bad = []
+        for c, s, a, b, key in reads:
+            try:
+                for _ in files.blocks(key, a, b, region(s.param)):
+                    pass
+            except Exception as e:  # noqa: BLE001 -- raised on every rank below
+                bad.append(str(e) if isinstance(e, WeightsError) else f"rank {comm.rank}: {type(e).__name__}: {e}")
+        for _, key in buffers:
+            try:
+                files.read_all(key)
+            except Exception as e:  # noqa: BLE001
+                bad.append(str(e) if isinstance(e, WeightsError) else f"rank {comm.rank}: {type(e).__name__}: {e}")
+        agree(comm, bad, what=f"cannot load {os.fspath(path)} (nothing was written):")
     failed = []
     try:
-        for c in engine.chunks:
-            lo, hi = c.held_range()
-            for s in c.slots:
-                key = m.source.get(id(s.param))
-                a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
-                if key is not None and a < b:
-                    c.write_blocks(s, a, files.blocks(key, a, b, region(s.param)))
-        params = {id(p) for p in engine.params}
-        for _, t in engine.state_keys:
-            key = m.source.get(id(t))
-            if key is not None and id(t) not in params:  # a buffer: every rank keeps all of it
-                t.copy_(files.read_all(key))
+        for c, s, a, b, key in reads:
+            c.write_blocks(s, a, files.blocks(key, a, b, region(s.param)))
+        for t, key in buffers:  # a buffer: every rank keeps all of it
+            t.copy_(files.read_all(key))
     except Exception as e:  # noqa: BLE001 -- raised on every rank below
         failed.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
     agree(comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
@@ -292,8 +135,44 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
     file_of = {key: i for i, f in enumerate(files) for key, _, _ in f}
     mine = {i: None for i in range(len(files)) if i % comm.world == comm.rank}
     problems = []
+    if comm.rank == 0:  # a save that never finished (a killed rank) left its partial files: they go first
+        try:
+            os.makedirs(path, exist_ok=True)
+            remove_partials(path)
+        except OSError as e:
+            problems.append(f"rank 0: {type(e).__name__}: {e}")
+    agree(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
     try:
-        os.makedirs(path, exist_ok=True)
+        _stream(engine, path, order, buffers, names, files, file_of, key_of, mine)
+    except BaseException:  # this rank's partial files go, whatever stopped the save (a lost peer too)
+        for out in mine.values():
+            if out is not None:
+                out.abort()
+        raise
+    problems = []
+    try:
+        for out in mine.values():
+            out.rename()
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
+    # Every file is in place before the index names them (and stale files go).
+    agree(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
+    if comm.rank == 0:
+        try:
+            _finish_folder(module, path, names, files)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"{type(e).__name__}: {e}")
+    agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
+    return path
+
+
+def _stream(engine, path: str, order: list[str], buffers: dict, names: list[str], files: list, file_of: dict,
+            key_of, mine: dict) -> None:
+    """Collective: every value, gathered a chunk at a time, written by the rank that holds its file
+    (`mine`: file index -> its StreamedSafetensors, made here); each rank's files synced and read
+    back. A failure anywhere raises WeightsError on every rank, after every rank got this far."""
+    comm, problems = engine.world_comm, []
+    try:
         for i in mine:
             mine[i] = StreamedSafetensors(os.path.join(path, names[i]), files[i])
     except Exception as e:  # noqa: BLE001 -- reported on every rank
@@ -323,27 +202,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
                 out.close()
         except Exception as e:  # noqa: BLE001
             problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
-    try:
-        agree(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
-    except WeightsError:
-        for out in mine.values():
-            if out is not None:
-                out.abort()
-        raise
-    try:
-        for out in mine.values():
-            out.rename()
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
-    # Every file is in place before the index names them (and stale files go).
-    agree(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
-    if comm.rank == 0:
-        try:
-            _finish_folder(module, path, names, files)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"{type(e).__name__}: {e}")
-    agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
-    return path
+    agree(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
 
 
 def adapter_marks(module: nn.Module) -> tuple[str, ...]:
