@@ -63,8 +63,9 @@ def rewrite_index(path: str, change) -> None:
 @scenario
 def index_paths(rank, world):
     """Issue 30, point 2: an index naming a file outside its folder was read and loaded. Refused
-    now, naming it: '../other/...', an absolute path, and a directory symlinked out of the folder;
-    a folder whose files are symlinks into a blob store (the Hugging Face cache's layout) loads."""
+    now, naming it: '../other/...', an absolute path, a directory symlinked out of the folder, a
+    file symlinked out of it; a folder whose files are symlinks into the blob store of the cache
+    repository it is a snapshot of (the Hugging Face cache's layout) loads."""
     good = sharded("good")
     first = sorted(n for n in os.listdir(good) if n.startswith("model-"))[0]
     out = {}
@@ -79,14 +80,17 @@ def index_paths(rank, world):
             shutil.copy(os.path.join(good, first), other)
             if kind == "symlinked_dir":
                 os.symlink(other, os.path.join(bad, "sub"))
+            if kind == "symlinked_file":
+                os.remove(os.path.join(bad, first))
+                os.symlink(os.path.join(other, first), os.path.join(bad, first))
             name = {"dotdot": f"../other_{kind}/{first}", "absolute": os.path.join(other, first),
-                    "symlinked_dir": f"sub/{first}"}[kind]
+                    "symlinked_dir": f"sub/{first}", "symlinked_file": first}[kind]
             rewrite_index(bad, lambda index: index["weight_map"].update(
                 {k: name for k, v in index["weight_map"].items() if v == first}))
         on_rank0(make)
         return error_on_every_rank(
             lambda: zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 2}, weights=bad))
-    for kind in ("dotdot", "absolute", "symlinked_dir"):
+    for kind in ("dotdot", "absolute", "symlinked_dir", "symlinked_file"):
         out[kind] = outside(kind)
 
     cache = place("cache")

@@ -50,11 +50,22 @@ def _kind(dtype: torch.dtype) -> str:
         "floating" if dtype.is_floating_point else "integer"
 
 
+def _cache_blobs(folder: str) -> str | None:
+    """The blob store of a Hugging Face cache snapshot folder (<repo>/snapshots/<rev> ->
+    <repo>/blobs), or None for any other folder."""
+    parent = os.path.dirname(os.path.realpath(folder))
+    if os.path.basename(parent) != "snapshots":
+        return None
+    blobs = os.path.join(os.path.dirname(parent), "blobs")
+    return blobs if os.path.isdir(blobs) else None
+
+
 def inside(folder: str, name) -> str:
     """The path of the file an index names `name` in `folder`, refused (WeightsError) unless it
     lies in the folder: a relative path with no '..' that leaves it, whose directories do not leave
-    it through a symlink. The file itself may be a symlink: the Hugging Face cache keeps every file
-    of a snapshot as a link into its blobs."""
+    it through a symlink, and which, if a symlink itself, leads to a file in the folder, or (the
+    Hugging Face cache, which keeps every file of a snapshot as a link into its blobs) in the blob
+    store of the cache repository whose snapshot the folder is."""
     index = os.path.join(folder, INDEX)
     if not isinstance(name, str) or not name or os.path.isabs(name) or "\0" in name:
         raise WeightsError(f"zeroshard: {index} names {name!r}, not a path relative to {folder}, so possibly outside "
@@ -67,7 +78,14 @@ def inside(folder: str, name) -> str:
     if os.path.commonpath([home, where]) != home:
         raise WeightsError(f"zeroshard: {index} names {name!r}, which a symlinked directory takes outside {folder} "
                            f"(to {where}): refused")
-    return os.path.join(folder, norm)
+    path = os.path.join(folder, norm)
+    target = os.path.realpath(path)
+    if os.path.islink(path) and os.path.commonpath([home, target]) != home:
+        blobs = _cache_blobs(folder)
+        if blobs is None or os.path.commonpath([blobs, target]) != blobs:
+            raise WeightsError(f"zeroshard: {index} names {name!r}, a symlink to {target}, outside {folder} (and not "
+                               "in the blobs of the Hugging Face cache it is a snapshot of): refused")
+    return path
 
 
 class WeightFiles:
