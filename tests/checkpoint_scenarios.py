@@ -5,13 +5,13 @@ Every function runs on each rank of a spawned group; rank 0 writes what the test
 """
 from __future__ import annotations
 
-import json
+import functools
 import os
-import traceback
 
 import torch
 
 import zeroshard
+from distributed import record
 from models import batches, make_adamw, make_sgd, tiny_gpt2, train
 
 
@@ -67,15 +67,7 @@ def _each(rank, out_path, fn, names):
     # Bit for bit across two runs needs deterministic kernels: on CUDA, embedding and index backward
     # add with atomics in a varying order (a resumed bf16 run on an H100 landed one bf16 ulp away).
     torch.use_deterministic_algorithms(True)
-    results = {}
-    for name in names:
-        try:
-            results[name] = fn(name)
-        except Exception as e:
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=-4)}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, default=str)
+    record(rank, out_path, [(name, functools.partial(fn, name)) for name in names])
 
 
 def save_cases(rank, world, root, out_path):

@@ -7,7 +7,7 @@ import socket
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,6 +44,23 @@ def every_rank(value) -> list:
     return out
 
 
+def record(rank: int, out_path: str, calls, traceback_limit: int = -4) -> None:
+    """Inside a spawned rank: run each of `calls` ({name: callable}, or (name, callable) pairs) in
+    turn, recording what it returned, or the error it raised ({"error", "traceback"}: the test of
+    that name decides); rank 0 writes {name: result} to `out_path` as JSON."""
+    import json
+    import traceback
+    results = {}
+    for name, fn in (calls.items() if isinstance(calls, dict) else calls):
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001 -- recorded; the test for this scenario decides
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=traceback_limit)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, default=str)
+
+
 def error_on_every_rank(fn) -> list[str]:
     """Inside a spawned rank: what `fn()` raised on each rank ("Type: message", or "no error"), on
     every rank."""
@@ -61,7 +78,7 @@ def spawn(world: int, fn, *args) -> None:
     (EADDRINUSE, nothing of `fn` ran) it starts again on another port, up to three times."""
     for attempt in range(3):
         try:
-            mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+            mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
             return
         except mp.ProcessRaisedException as e:
             if "EADDRINUSE" not in str(e) or attempt == 2:
@@ -106,14 +123,18 @@ class WorldResults:
     _shared: list["WorldResults"] = []
 
     def __init__(self, run, label: str, shared: bool = True, worlds=(1, 2, 3)):
-        """`worlds`: the world sizes this registry's tests ask for (a shared one runs at those only)."""
+        """`worlds`: the world sizes this registry's tests ask for (a shared one runs at those only,
+        and only once a collected test module has made its fixture: importing it runs nothing)."""
         self.run, self.label, self.worlds, self._cache = run, label, tuple(worlds), {}
-        if shared:
-            WorldResults._shared.append(self)
         self.shared = shared
+
+    def _register(self) -> None:
+        if self.shared and self not in WorldResults._shared:
+            WorldResults._shared.append(self)
 
     def get(self, world: int, tmp_path_factory) -> dict:
         import json
+        self._register()
         assert world in self.worlds, (self.label, world, self.worlds)
         if world not in self._cache:
             batch = [r for r in WorldResults._shared if world in r.worlds and world not in r._cache] \
@@ -135,6 +156,7 @@ class WorldResults:
         """A pytest fixture, parametrized over `worlds` (default: this registry's), giving each test
         (results, world size). In a test module: `res = WorldResults(run, "label").fixture()`."""
         import pytest
+        self._register()
 
         @pytest.fixture(params=worlds or self.worlds, ids=lambda w: f"world{w}")
         def res(request, tmp_path_factory):
@@ -145,5 +167,15 @@ class WorldResults:
 def ok(results: dict, name: str) -> dict:
     """A scenario's figures, after checking it did not raise."""
     got = results[name]
-    assert "error" not in got, f"{name}: {got.get('error')}\n{got.get('traceback')}"
+    assert got.get("error") is None, f"{name}: {got.get('error')}\n{got.get('traceback')}"
     return got
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    """The rows of the markdown tables `zeroshard estimate` and `plan` print: first cell -> the rest."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("| configuration"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from models import tiny_gpt2
+from models import max_diff, tiny_gpt2
 
 STEPS, STEPS_PER_EPOCH, ACCUMULATION, SEQUENCES_PER_STEP, SEQ = 10, 5, 2, 8, 16
 
@@ -131,10 +131,6 @@ def metrics_csv(trainer) -> list[dict]:
     path = os.path.join(trainer.logger.log_dir, "metrics.csv")
     with open(path) as f:
         return list(csv.DictReader(f))
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
 
 
 def run(rank: int, world: int, out_path: str) -> None:

@@ -6,15 +6,15 @@ rank alike: scenarios that raise do so before or at the same collective on all r
 """
 from __future__ import annotations
 
-import json
+import functools
 import shutil
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import zeroshard
+from distributed import WorldResults, record
 from models import (Quirky, batches, delayed_reference, make_adamw, make_sgd, max_diff, quirky_data,
                     quirky_loss, reference, tiny_gpt2, train)
 
@@ -627,15 +627,11 @@ _add_auto()
 
 def run_all(rank, world, out_path, only=None, registry=None):
     """Run the scenarios of `registry` (default SCENARIOS; only those named in `only`, if given)."""
-    results = {}
-    for name, fn in (SCENARIOS if registry is None else registry).items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn(rank, world)
-        except Exception as e:  # recorded; the test for this scenario decides
-            results[name] = {"error": f"{type(e).__name__}: {e}",
-                             "traceback": traceback.format_exc(limit=-3)}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, default=str)
+    chosen = SCENARIOS if registry is None else registry
+    record(rank, out_path, [(name, functools.partial(fn, rank, world)) for name, fn in chosen.items()
+                            if not only or name in only], traceback_limit=-3)
+
+
+# The parity scenarios' results at worlds 1-3, for every test module that reads them (test_parity,
+# test_auto, test_offload, ...): each makes `res = PARITY.fixture()`.
+PARITY = WorldResults(run_all, "parity")

@@ -8,9 +8,11 @@ Device bytes: the plan's `device_model_bytes` (model states + rCache) against st
 """
 import pytest
 
+from distributed import ok
 from models import ADAMW_TOL
-from scenarios import AUTO_CASES
-from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
+from scenarios import AUTO_CASES, PARITY
+
+res = PARITY.fixture()
 
 TOL = {"fp32_sgd": 1e-5, "fp32_adamw": ADAMW_TOL, "bf16_cpuadamw": 1e-2}
 

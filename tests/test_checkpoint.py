@@ -23,7 +23,7 @@ import zeroshard.cli
 import zeroshard.export
 from checkpoint_scenarios import (CASES, HALF, disk_full_save, global_data, killed_save, resume_cases, resume_topology,
                                   save_all)
-from distributed import spawn
+from distributed import ok, spawn
 from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
 from zeroshard.checkpoint import row_major_boxes
 
@@ -41,12 +41,6 @@ def saved(tmp_path_factory):
 def resumed(saved):
     spawn(WORLD, resume_cases, str(saved), str(saved / "resumed.json"))
     return json.loads((saved / "resumed.json").read_text())
-
-
-def ok(results, name):
-    got = results[name]
-    assert "error" not in got, f"{name}: {got['error']}\n{got.get('traceback')}"
-    return got
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -187,6 +181,8 @@ def test_a_full_disk_during_a_save_is_a_checkpoint_error_and_the_previous_one_lo
     (lambda p: os.remove(p / "__0_0.distcp"), "__0_0.distcp", "missing"),
     (lambda p: os.remove(p / "checksums.json"), "checksums.json", "did not finish"),
     (lambda p: (p / "checksums.json").write_text("{"), "checksums.json", "damaged"),
+    (lambda p: (p / "checksums.json").write_text('{"__0_0.distcp": 1}'), "checksums.json", "damaged"),
+    (lambda p: (p / "checksums.json").write_text("[]"), "checksums.json", "damaged"),
 ])
 def test_damaged_files_are_named_and_nothing_is_loaded(one_checkpoint, tmp_path, damage, name, words):
     path = _damaged(one_checkpoint, tmp_path, damage)

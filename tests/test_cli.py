@@ -6,6 +6,7 @@ import json
 import pytest
 import torch.nn as nn
 
+from distributed import table_rows
 from zeroshard import cli
 from zeroshard.cli import bandwidth, main, rate, size
 from zeroshard.hardware import GIB, Hardware
@@ -24,15 +25,6 @@ def tiny_embedding():
 
 def not_a_module():
     return 42
-
-
-def table_rows(out: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in out.splitlines():
-        if line.startswith("| ") and not line.startswith("| configuration"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            rows[cells[0]] = cells[1:]
-    return rows
 
 
 def run(capsys, *argv):

@@ -37,7 +37,8 @@ def test_ranks_sharing_a_gpu_run_collectives_over_gloo():
 
 
 def _diverging_order(rank, world, out):
-    from zeroshard.collectives import Comm, DivergedError, init_process_group
+    from zeroshard.collectives import Comm, init_process_group
+    from zeroshard.errors import DivergedError
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     init_process_group(device)

@@ -11,9 +11,11 @@ apart; it is there for the fused 16-bit copy path, which only CPUAdamW takes.
 """
 import pytest
 
+from distributed import ok
 from models import ADAMW_TOL
-from scenarios import DELAYED_CASES
-from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
+from scenarios import DELAYED_CASES, PARITY
+
+res = PARITY.fixture()
 
 TOL = {"fp32_sgd_lrdecay": 1e-5, "fp32_adamw_accum2_clip": ADAMW_TOL, "bf16_sgd": 2e-3, "bf16_cpuadamw": 1e-2}
 # How far the delayed run must land from the exact one, so that a run that did not delay fails.

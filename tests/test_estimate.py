@@ -4,9 +4,11 @@ scenarios, worlds 1-3: the runtime pads chunks, so it may hold up to 4% more).""
 import pytest
 
 import zeroshard.cli
-from test_cli import table_rows
-from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
+from distributed import ok, table_rows
+from scenarios import PARITY
 from zeroshard.estimate import estimate, largest_model, paper_gb, per_param, table1, table2
+
+res = PARITY.fixture()
 
 # Copied from the paper (../shared/papers/zero.txt, Table 1): DP, then 7.5B, 128B, 1T x P_os, P_os+g, P_os+g+p.
 PAPER_TABLE1 = """

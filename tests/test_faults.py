@@ -15,17 +15,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 
 import pytest
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from distributed import free_port
 
 
 def _worker(rank: int, port: int, point: str, sig: int, out: str) -> None:
@@ -81,7 +76,7 @@ def _worker(rank: int, port: int, point: str, sig: int, out: str) -> None:
 
 def _run(tmp_path, point: str, sig: int) -> tuple[dict, float, int]:
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, point, sig, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()

@@ -9,9 +9,11 @@ On CUDA the run without offload steps on the GPU, so the two agree to the parity
 """
 import pytest
 
+from distributed import ok
 from models import ADAMW_TOL, OFFLOAD_EXACT
-from scenarios import OFFLOAD_CASES, OFFLOAD_FLAGS
-from test_parity import ok, res  # noqa: F401  (res: the per-world results fixture)
+from scenarios import OFFLOAD_CASES, OFFLOAD_FLAGS, PARITY
+
+res = PARITY.fixture()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -7,7 +7,7 @@ import torch
 import zeroshard
 from zeroshard import cpu_adam
 from zeroshard.config import load_config
-from models import ADAMW_TOL, OFFLOAD_EXACT, batches, max_diff, tiny_gpt2, train
+from models import OFFLOAD_EXACT, batches, max_diff, tiny_gpt2, train
 
 
 def _pair(n=50_000, seed=0, **kw):

@@ -44,7 +44,7 @@ def test_bad_config_value_names_key_and_valid_values(key, value, valid):
 ])
 def test_a_config_file_that_cannot_be_read_is_named(tmp_path, name, text, words):
     """Issue 30, point 6: a bare JSONDecodeError/TOMLDecodeError without the file's name, or a
-    FileNotFoundError, is a ValueError naming the file and why, in one line."""
+    FileNotFoundError, is a ConfigError (a ValueError) naming the file and why, in one line."""
     path = tmp_path / name
     if isinstance(text, bytes):
         path.write_bytes(text)
@@ -52,7 +52,7 @@ def test_a_config_file_that_cannot_be_read_is_named(tmp_path, name, text, words)
         path.write_text(text)
     with pytest.raises(ValueError) as e:
         load_config(str(path))
-    assert type(e.value) is ValueError and str(path) in str(e.value) and words in str(e.value), str(e.value)
+    assert isinstance(e.value, zeroshard.ConfigError) and str(path) in str(e.value) and words in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="does not parse" if text is not None else "cannot read"):
         zeroshard.initialize(torch.nn.Linear(2, 2), lambda ps: torch.optim.SGD(ps, lr=0.1), str(path))

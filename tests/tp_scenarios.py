@@ -3,12 +3,12 @@ PyTorch's tensor parallelism over zeroshard.device_mesh(2)["tp"], trained by zer
 data-parallel dimension; each rank 0 result compared with single-process PyTorch on the global batch."""
 from __future__ import annotations
 
-import json
+import functools
 import os
-import traceback
 
 import torch
 
+from distributed import record
 from models import max_diff
 
 STEPS, BATCH, SEQ, VOCAB = 3, 4, 16, 128
@@ -320,36 +320,18 @@ def refusals(directory):
 
 
 def run(rank, world, out):
-    results = {}
-    for name in SCENARIOS:
-        try:
-            results[name] = scenario(name, world)
-        except Exception as e:  # noqa: BLE001 -- reported by the test of that scenario
-            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    try:
-        results["resume"] = resume(os.path.join(os.path.dirname(out), "checkpoints"))
-    except Exception as e:  # noqa: BLE001
-        results["resume"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    try:
-        results["pretrained"] = pretrained(world, os.path.join(os.path.dirname(out), "pretrained"))
-    except Exception as e:  # noqa: BLE001
-        results["pretrained"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    try:
-        results["auto"] = auto(world)
-    except Exception as e:  # noqa: BLE001
-        results["auto"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    try:  # the test sets the directory the world-4 run saves to and the world-2 run loads from
-        results["across"] = across(world, os.environ["ZEROSHARD_TP_ACROSS"])
-    except Exception as e:  # noqa: BLE001
-        results["across"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    try:
-        os.makedirs(os.path.join(os.path.dirname(out), "empty"), exist_ok=True)
-        results["refusals"] = refusals(os.path.join(os.path.dirname(out), "empty"))
-    except Exception as e:  # noqa: BLE001
-        results["refusals"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    here = os.path.dirname(out)
+
+    def refusals_in_empty():
+        os.makedirs(os.path.join(here, "empty"), exist_ok=True)
+        return refusals(os.path.join(here, "empty"))
+    record(rank, out, [*((name, functools.partial(scenario, name, world)) for name in SCENARIOS),
+                       ("resume", lambda: resume(os.path.join(here, "checkpoints"))),
+                       ("pretrained", lambda: pretrained(world, os.path.join(here, "pretrained"))),
+                       ("auto", lambda: auto(world)),
+                       # the test sets the directory the world-4 run saves to and the world-2 run loads from
+                       ("across", lambda: across(world, os.environ["ZEROSHARD_TP_ACROSS"])),
+                       ("refusals", refusals_in_empty)], traceback_limit=None)
 
 
 def across(world, directory):

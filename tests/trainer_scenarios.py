@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from models import tiny_gpt2
+from models import max_diff, tiny_gpt2
 
 STEPS, ACCUMULATION, SEQUENCES_PER_STEP, SEQ = 10, 2, 8, 16
 
@@ -120,10 +120,6 @@ def trainer_run(rank: int, world: int, stage: int, out: str, resume: str | None 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     comm = trainer.engine.stats()["comm_elements"]  # the last optimizer step's
     return {"trainer": trainer, "state": trainer.engine.full_state_dict(), "logs": logs, "comm": comm}
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in b)
 
 
 def run(rank: int, world: int, out_path: str) -> None:

@@ -13,24 +13,20 @@ import os
 
 import torch
 
-from .checkpoint import CheckpointError, PeerLostInCheckpointError
-from .collectives import CollectiveTimeoutError, DivergedError, PeerLostError
 from .config import Config, load_config
 from .cpu_adam import CPUAdamW
 from .engine import Engine
-from .hooks import ShardedParameterError
-from .materialize import UninitializedTensorError
-from .module_state import GradientsInChunksError, ModuleMovedError
-from .optimizer import NonFiniteError
-from .param_groups import FrozenParameterError
+from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
+                     GradientsInChunksError, ModuleMovedError, NonFiniteError, PeerLostError, PeerLostInCheckpointError,
+                     ShardedParameterError, UninitializedTensorError, WeightsError, ZeroShardError)
 from .profiler import Profile, profile
 from .tensor_parallel import device_mesh
-from .weight_files import WeightsError
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
            "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
-           "PeerLostError", "PeerLostInCheckpointError", "UninitializedTensorError", "WeightsError"]
+           "PeerLostError", "PeerLostInCheckpointError", "UninitializedTensorError", "WeightsError",
+           "ConfigError", "ZeroShardError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

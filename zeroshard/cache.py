@@ -23,6 +23,7 @@ import logging
 from collections import OrderedDict
 
 from .chunks import Chunk, ChunkState
+from .errors import invariant
 
 log = logging.getLogger("zeroshard")
 
@@ -100,7 +101,7 @@ class ChunkCache:
 
     def flush(self) -> None:
         """Release every cached chunk: after an optimizer step the gathered copies are stale."""
-        assert not self.pins, f"flush with pinned chunks {sorted(self.pins)}"
+        invariant(not self.pins, lambda: f"rCache flush with pinned chunks {sorted(self.pins)}")
         for c in list(self.cached.values()):
             c.release()
         self.cached.clear()

@@ -54,20 +54,16 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .checkpoint_dirs import (LATEST, META, SUMS, VERSION, CheckpointError, commit, fsync_dir, held, lease, prune,
+from .checkpoint_dirs import (LATEST, META, SUMS, VERSION, commit, fsync_dir, held, lease, prune,
                               remove_leftovers, write_file, write_latest)
+from .errors import CheckpointError, PeerLostError, PeerLostInCheckpointError
 from .optimizer import probe_state
-from .ordering import CHECKPOINT, PeerLostError, peer_lost
+from .ordering import CHECKPOINT, peer_lost
 
 log = logging.getLogger("zeroshard")
 
 FORMAT = 2  # 2: nothing pickled (DCP's metadata as JSON, extra.pt read weights_only); 1 is refused
 EXTRA = "extra.pt"
-
-
-class PeerLostInCheckpointError(CheckpointError, PeerLostError):
-    """Another rank was lost while a checkpoint was being saved or loaded: a CheckpointError (what
-    the save or load raises) and a PeerLostError (what every wait raises for a lost peer)."""
 
 
 def cause_line(e: BaseException) -> str:
@@ -292,9 +288,12 @@ def read_sums(path: str) -> dict:
     try:
         with open(os.path.join(path, SUMS)) as f:
             sums = json.load(f)
-        assert isinstance(sums, dict) and all("sha256" in v and "bytes" in v for v in sums.values())
-    except (ValueError, AssertionError, AttributeError, TypeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise CheckpointError(f"zeroshard: {os.path.join(path, SUMS)} is damaged ({type(e).__name__})") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                                             and isinstance(v.get("bytes"), int) for v in sums.values()):
+        raise CheckpointError(f"zeroshard: {os.path.join(path, SUMS)} is damaged (not a map of file names to sizes "
+                              "and checksums)")
     return sums
 
 
@@ -720,10 +719,12 @@ def read_extra(path: str) -> dict:
     """extra.pt, read as tensors and plain data only (torch.load weights_only: no code runs)."""
     try:
         extra = torch.load(os.path.join(path, EXTRA), map_location="cpu", weights_only=True)
-        assert isinstance(extra, dict) and isinstance(extra.get("param_groups"), list)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"zeroshard: {os.path.join(path, EXTRA)} holds something other than tensors and plain "
                               f"data, which zeroshard does not load ({type(e).__name__})") from None
+    if not isinstance(extra, dict) or not isinstance(extra.get("param_groups"), list) or "client_state" not in extra:
+        raise CheckpointError(f"zeroshard: {os.path.join(path, EXTRA)} is damaged (not the client state and "
+                              "param groups a checkpoint holds)")
     return extra
 
 

@@ -30,6 +30,8 @@ import re
 import shutil
 import uuid
 
+from .errors import CheckpointError
+
 try:
     import fcntl
 except ImportError:  # Windows: no leases (Note [lease])
@@ -39,10 +41,6 @@ LATEST = "latest"
 META = "zeroshard.json"
 SUMS = "checksums.json"
 VERSION = re.compile(r"(.+)\.v-[0-9a-f]{8}")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
 
 
 def fsync_dir(path: str) -> None:

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .errors import invariant
 from .offload import Pending, Placement, Transfer
 from .ordering import GATHER, REDUCE
 from .tensor_parallel import set_local
@@ -354,7 +355,7 @@ class Chunk:
     # -- stage 3 gather / release ---------------------------------------------------------------
     def start_gather(self, comm) -> None:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
-        assert self.state is ChunkState.SHARDED, self.state
+        invariant(self.state is ChunkState.SHARDED, lambda: f"chunk {self.index}: start_gather in {self.state}")
         self.await_arrival()
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         shard = self.shard
@@ -366,7 +367,8 @@ class Chunk:
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""
-        assert self.state is ChunkState.GATHERING, self.state
+        invariant(self.state is ChunkState.GATHERING,
+                  lambda: f"chunk {self.index}: finish_gather in {self.state}")
         if self.gather_work is not None:
             self.gather_work.wait()
             self.gather_work = None
@@ -377,7 +379,7 @@ class Chunk:
         """GATHERED -> SHARDED: free the full chunk (stage 3 only)."""
         if self.state is ChunkState.GATHERING:
             self.finish_gather()
-        assert self.state is ChunkState.GATHERED, self.state
+        invariant(self.state is ChunkState.GATHERED, lambda: f"chunk {self.index}: release in {self.state}")
         self.unbind_params()
         self.full = None
         self.state = ChunkState.SHARDED
@@ -392,7 +394,8 @@ class Chunk:
     def start_reduce(self, comm) -> None:
         """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
         reduce-scatter into this rank's slot of the full gradient at stages 1-3."""
-        assert self.grad_state is not GradState.REDUCING, self.grad_state
+        invariant(self.grad_state is not GradState.REDUCING,
+                  lambda: f"chunk {self.index}: start_reduce in {self.grad_state}")
         self.grad_state = GradState.REDUCING
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
@@ -405,7 +408,7 @@ class Chunk:
         """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
         re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
         new buffer, reduced when backward ends."""
-        assert self.grad_state is GradState.REDUCING, self.grad_state
+        invariant(self.grad_state is GradState.REDUCING, lambda: f"chunk {self.index}: stash_reduced in {self.grad_state}")
         self.stash = (self.grad_full, self.reduce_work)
         self.grad_full, self.reduce_work = None, None
         self.grad_state = GradState.ACCUMULATING
@@ -498,7 +501,8 @@ class Chunk:
         """The backward pass is over (its reductions finished): the next one starts afresh. At stages
         0-1 a reduced buffer stays REDUCED until the step clears it or another backward pass of the
         same step reopens it (`reopen`)."""
-        assert self.grad_state is not GradState.REDUCING, self.grad_state
+        invariant(self.grad_state is not GradState.REDUCING,
+                  lambda: f"chunk {self.index}: end_backward in {self.grad_state}")
         self.grads_seen = 0
         if self.stage >= 2 or self.grad_state is not GradState.REDUCED:
             self.grad_state = GradState.ACCUMULATING
@@ -509,7 +513,8 @@ class Chunk:
         rank. So each rank keeps it only in its own slot (where stage 1 keeps it and no other rank
         does; with the optimizer on the host, where the sum went already, nowhere): the next
         reduction then adds every slot's earlier sum exactly once."""
-        assert self.stage <= 1 and self.grad_state is GradState.REDUCED, (self.stage, self.grad_state)
+        invariant(self.stage <= 1 and self.grad_state is GradState.REDUCED,
+                  lambda: f"chunk {self.index}: reopen at stage {self.stage} in {self.grad_state}")
         if self.placement.optimizer_on_host:
             self._fold_host_grad()  # the copy to the host reads the buffer
             self.grad_full.zero_()

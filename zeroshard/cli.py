@@ -363,7 +363,7 @@ def _params_words(n: float) -> str:
 def cmd_export(args) -> int:
     import torch
 
-    from .checkpoint import CheckpointError
+    from .errors import CheckpointError
     from .export import export
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
     try:

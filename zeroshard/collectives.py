@@ -24,23 +24,14 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .ordering import (OTHER, CollectiveTimeoutError, DivergedError, OrderCheck, PeerLostError,  # noqa: F401
-                       Sequencer, check_group, describe_tag, forget_check_groups, has_check_group,  # (errors:
-                       order_tag, wait_for, waiting)  # public here)
+from .ordering import (OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
+                       describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
+                       wait_for, waiting)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-TIMEOUT = datetime.timedelta(minutes=10)  # the default of config collective_timeout_s
-_timeout = [TIMEOUT]  # what the groups zeroshard makes wait for the other ranks (init_process_group)
-
-
-def collective_timeout() -> datetime.timedelta:
-    """How long a collective on a group zeroshard made waits for the other ranks."""
-    return _timeout[0]
 
 
 def ranks_per_node() -> int:
@@ -64,10 +55,10 @@ def init_process_group(device: torch.device | None = None, timeout_s: float | No
     no group is created.
     """
     if timeout_s is not None:
-        _timeout[0] = datetime.timedelta(seconds=timeout_s)
+        set_collective_timeout(timeout_s)
     if dist.is_available() and dist.is_initialized() and timeout_s is not None:
         theirs = _group_timeout(dist.group.WORLD)
-        if theirs is not None and theirs > _timeout[0]:
+        if theirs is not None and theirs > collective_timeout():
             warnings.warn(f"zeroshard: the process group was made with a timeout of {theirs.total_seconds():g} s, "
                           f"longer than collective_timeout_s={timeout_s:g}: a stopped rank keeps the others waiting "
                           "that long (pass timeout= to init_process_group, or let zeroshard make the group)")
@@ -81,7 +72,7 @@ def init_process_group(device: torch.device | None = None, timeout_s: float | No
             warnings.warn(f"zeroshard: {ranks_per_node()} ranks share {torch.cuda.device_count()} GPU(s); NCCL "
                           "needs one GPU per rank, so collectives run over gloo through host memory (slow)")
         backend = "nccl" if cuda and not shared else "gloo"
-        dist.init_process_group(backend, timeout=_timeout[0])
+        dist.init_process_group(backend, timeout=collective_timeout())
 
 
 _exit_hook = [False]  # _take_down_groups is registered

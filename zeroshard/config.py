@@ -1,7 +1,7 @@
 """User-facing configuration: one frozen dataclass, validated on construction.
 
 A config can be given as a `Config`, a dict, or a path to a JSON or TOML file. Every key is checked;
-an unknown key or a bad value raises ValueError naming the key and what it accepts.
+an unknown key or a bad value raises ConfigError (a ValueError) naming the key and what it accepts.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -150,7 +152,7 @@ class Config:
 
     def __post_init__(self):
         def bad(key, valid):
-            raise ValueError(f"zeroshard config: {key}={getattr(self, key)!r} is invalid; valid: {valid}")
+            raise ConfigError(f"zeroshard config: {key}={getattr(self, key)!r} is invalid; valid: {valid}")
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
@@ -203,22 +205,22 @@ class Config:
             if not is_int(self.delay_update_after) or self.delay_update_after < 0:
                 bad("delay_update_after", "an integer >= 0 (optimizer steps before updates are delayed), or None")
             if not self.offload_optimizer or self.offload_params:
-                raise ValueError("zeroshard config: delay_update_after delays the CPU optimizer step: it needs "
+                raise ConfigError("zeroshard config: delay_update_after delays the CPU optimizer step: it needs "
                                  "offload_optimizer=True and offload_params=False (with parameters on the host "
                                  "the step would write what the next forward reads)")
         if self.planned:
             if self.stage not in (2, 3, "auto"):
-                raise ValueError(f"zeroshard config: offload='auto' plans stage 2 or 3 (got stage {self.stage}); "
+                raise ConfigError(f"zeroshard config: offload='auto' plans stage 2 or 3 (got stage {self.stage}); "
                                  "use stage 2, 3 or 'auto'")
             taken = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k)]
             if taken:
-                raise ValueError(f"zeroshard config: with offload/stage 'auto' the planner decides placement; "
+                raise ConfigError(f"zeroshard config: with offload/stage 'auto' the planner decides placement; "
                                  f"remove {taken} (offload='auto' lets it offload)")
             if self.cache_chunks is not None:
-                raise ValueError("zeroshard config: cache_chunks is chosen by the planner with offload/stage "
+                raise ConfigError("zeroshard config: cache_chunks is chosen by the planner with offload/stage "
                                  "'auto'; remove it (or set the stage and offload yourself)")
         if self.offload_optimizer and self.stage == 0:
-            raise ValueError("zeroshard config: offload_optimizer=True needs stage >= 1 (stage 0 keeps a "
+            raise ConfigError("zeroshard config: offload_optimizer=True needs stage >= 1 (stage 0 keeps a "
                              "whole optimizer on every rank; stage 1 shards it, then offloads each shard)")
         if self.stage in (0, 1, 2):  # keys that only stage 3 reads: said once, not silently ignored
             if self.cache_chunks is not None:
@@ -238,10 +240,10 @@ class Config:
         if not isinstance(self.partition_activations, bool):
             bad("partition_activations", "true or false")
         if self.partition_activations and self.tensor_parallel == 1:
-            raise ValueError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
+            raise ConfigError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
                              "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")
         if self.offload_params and self.stage != 3:
-            raise ValueError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
+            raise ConfigError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,20 +259,20 @@ def load_config(cfg: Config | dict | str | os.PathLike | None) -> Config:
     if isinstance(cfg, (str, os.PathLike)):
         path = os.fspath(cfg)
         if not path.endswith((".toml", ".json")):
-            raise ValueError(f"zeroshard config: {path!r} must be a .json or .toml file")
+            raise ConfigError(f"zeroshard config: {path!r} must be a .json or .toml file")
         try:
             with open(path, "rb") as f:
                 cfg = tomllib.load(f) if path.endswith(".toml") else json.loads(f.read())
         except OSError as e:
-            raise ValueError(f"zeroshard config: cannot read {path!r}: {e.strerror or e}") from None
+            raise ConfigError(f"zeroshard config: cannot read {path!r}: {e.strerror or e}") from None
         except (ValueError, tomllib.TOMLDecodeError) as e:  # JSONDecodeError, UnicodeDecodeError included
             kind = "TOML" if path.endswith(".toml") else "JSON"
-            raise ValueError(f"zeroshard config: {path!r} does not parse as {kind}: "
+            raise ConfigError(f"zeroshard config: {path!r} does not parse as {kind}: "
                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"zeroshard config must be a Config, a dict or a path, not {type(cfg).__name__}")
+        raise ConfigError(f"zeroshard config must be a Config, a dict or a path, not {type(cfg).__name__}")
     known = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(cfg) - known)
     if unknown:
-        raise ValueError(f"zeroshard config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
+        raise ConfigError(f"zeroshard config: unknown key(s) {unknown}; valid keys: {sorted(known)}")
     return Config(**cfg)

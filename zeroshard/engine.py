@@ -24,6 +24,7 @@ from .cache import ChunkCache
 from .chunks import Chunk, auto_chunk_size
 from .collectives import Comm, init_process_group
 from .config import Config
+from .errors import invariant
 from .hardware import default_device
 from .arrival import ArrivalHooks
 from .hooks import Stage3Hooks, weak_method
@@ -323,7 +324,7 @@ class Engine:
                 raise RuntimeError(f"zeroshard: a backward started while the engine is in {self.phase.value}")
             # Autograd runs this once the whole backward pass is done, before backward() returns.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        assert self.phase is TrainingPhase.IDLE, self.phase
+        invariant(self.phase is TrainingPhase.IDLE, lambda: f"a backward began in {self.phase}")
         self.phase = TrainingPhase.BACKWARD
         self.comm.pass_index = self.micro_steps
         self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync)
@@ -338,7 +339,7 @@ class Engine:
         self.phase = TrainingPhase.IDLE
 
     def _end_backward(self) -> None:
-        assert self.phase is TrainingPhase.BACKWARD, self.phase
+        invariant(self.phase is TrainingPhase.BACKWARD, lambda: f"a backward ended in {self.phase}")
         if self.hooks is not None:
             self.hooks.end_backward()
         self.reducer.end(self.chunks)

@@ -23,8 +23,9 @@ import time
 
 import torch
 
-from .checkpoint import CheckpointError, SafeReader, cause_line, dcp_load, read_extra, read_meta, read_sums, verify_all
+from .checkpoint import SafeReader, cause_line, dcp_load, read_extra, read_meta, read_sums, verify_all
 from .checkpoint_dirs import lease
+from .errors import CheckpointError
 from .weight_files import WEIGHTS
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -262,7 +263,8 @@ class StreamedSafetensors:
         """Write `key`'s value (converted to its declared dtype)."""
         dtype, shape, first = self.entries[key]
         t = tensor.detach().to("cpu", dtype).contiguous()
-        assert tuple(t.shape) == shape, (key, t.shape, shape)
+        if tuple(t.shape) != shape:  # a checkpoint's parts that disagree (export), or a bug
+            raise ValueError(f"zeroshard: {key} has shape {tuple(t.shape)}, but the file's header says {shape}")
         if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
             self.file.seek(self.data_start + first)
             self.file.write((ctypes.c_char * (t.numel() * dtype.itemsize)).from_address(t.data_ptr()))

@@ -30,6 +30,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .chunks import ChunkState
+from .errors import ShardedParameterError
 from .units import direct_params, unit_members
 
 _METADATA = {
@@ -58,10 +59,6 @@ def _unchanged(func, args, kwargs) -> bool:
     with torch._C.DisableTorchFunctionSubclass():
         device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
     return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
-
-
-class ShardedParameterError(RuntimeError):
-    """A stage-3 parameter was computed with outside the forward of a module that owns it."""
 
 
 class ShardedPlaceholder(torch.Tensor):

@@ -40,14 +40,11 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .weight_files import WeightFiles, WeightsError, agree, match
+from .errors import UninitializedTensorError, WeightsError
+from .weight_files import WeightFiles, agree, match
 from .tensor_parallel import as_dtensor, local, region, shard_of
 
 log = logging.getLogger("zeroshard")
-
-
-class UninitializedTensorError(RuntimeError):
-    """A tensor of a meta-device model that no initialiser writes (see materialize.py)."""
 
 
 def on_meta(module: nn.Module) -> bool:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .errors import GradientsInChunksError, ModuleMovedError
 from .hooks import Stage3Hooks
 from .units import direct_params
 from .tensor_parallel import as_dtensor, local, local_value, set_local
@@ -150,11 +151,6 @@ def full_parameters(engine, writeback: bool):
                 c.bind_params()
 
 
-class GradientsInChunksError(RuntimeError):
-    """A torch function that reads parameters' .grad was given parameters zeroshard trains: their
-    gradients live in its chunks, so it would see none."""
-
-
 _managed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a parameter zeroshard trains
 
 
@@ -182,10 +178,6 @@ def guard_grad_readers(params) -> None:
     clip_grad_norm_._zeroshard_guard = True
     utils.clip_grad_norm_ = clip_grad_norm_
     utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-
-
-class ModuleMovedError(RuntimeError):
-    """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
 
 
 def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:

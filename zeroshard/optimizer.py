@@ -41,12 +41,9 @@ import threading
 import torch
 
 from .chunks import fold_host_grad
-from .ordering import PUBLISH, DivergedError, PeerLostError
+from .errors import DivergedError, NonFiniteError, PeerLostError, invariant
+from .ordering import PUBLISH
 from .param_groups import ParamGroups, as_factory
-
-
-class NonFiniteError(FloatingPointError):
-    """A gradient was NaN or inf with config nonfinite='raise' (raised on every rank)."""
 
 
 class LossScaler:
@@ -392,7 +389,7 @@ class ShardedOptimizer:
     def _launch(self) -> None:
         """IDLE -> IN_FLIGHT: hand this step's gradients to a background thread that steps the
         masters and writes the 16-bit result into staging; `land()` publishes it."""
-        assert self.update is UpdateState.IDLE, self.update
+        invariant(self.update is UpdateState.IDLE, lambda: f"a delayed update launched in {self.update}")
         self._state_bytes_at_launch = self.state_bytes()
         for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
             if id(c) not in self._delay_staging:

@@ -32,9 +32,26 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime
 
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveTimeoutError, DivergedError, PeerLostError
+
+TIMEOUT = datetime.timedelta(minutes=10)  # the default of config collective_timeout_s
+_timeout = [TIMEOUT]  # what the groups zeroshard makes wait for the other ranks
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective on a group zeroshard made waits for the other ranks."""
+    return _timeout[0]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Config collective_timeout_s, for the groups made from now on (collectives.init_process_group)."""
+    _timeout[0] = datetime.timedelta(seconds=seconds)
+
 
 # Kinds of tags. A tag is (micro-batch mod 2^20) << 40 | kind << 32 | chunk index.
 GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH = 1, 2, 3, 4, 5, 6
@@ -51,22 +68,6 @@ def order_tag(kind: int, chunk_index: int = 0, micro_batch: int = 0) -> int:
 def describe_tag(tag: int) -> str:
     n, kind, index = tag >> 40, (tag >> 32) & 0xFF, tag & 0xFFFFFFFF
     return _WHAT.get(kind, "op {k} on chunk {i}").format(i=index, k=kind) + f" in micro-batch {n}"
-
-
-class DivergedError(RuntimeError):
-    """Ranks were about to issue different collectives: their call order diverged."""
-
-
-class PeerLostError(RuntimeError):
-    """Another rank is gone while this one waited for it: it died, was killed or exited (its
-    connections closed: raised at once), or it stopped or hung (CollectiveTimeoutError, after
-    config collective_timeout_s). The message names what was being waited for and the optimizer
-    step; the backend's own error is the cause."""
-
-
-class CollectiveTimeoutError(PeerLostError):
-    """A collective waited longer than config collective_timeout_s for the other ranks: one of them
-    is stopped, hung, or far behind (a rank that died usually shows at once, as a closed connection)."""
 
 
 # How gloo and NCCL say that the other end of a connection is gone.
@@ -257,7 +258,6 @@ def has_check_group(group) -> bool:
 def check_group(group, ranks: list[int] | None, renew: bool):
     """Collective when `renew` (which every rank must pass alike: some rank lacked one): the gloo
     group of the same ranks that carries tag comparisons."""
-    from .collectives import collective_timeout
     key = group if group is not None else dist.group.WORLD
     if renew:
         _retire_check_groups()  # older ones belong to destroyed process groups, or diverged

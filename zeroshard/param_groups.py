@@ -17,10 +17,7 @@ import inspect
 
 import torch
 
-
-class FrozenParameterError(RuntimeError):
-    """A parameter frozen at `zeroshard.initialize` and unfrozen since has no param group to join:
-    the optimizer callable split the tensors it was handed into several groups by position."""
+from .errors import FrozenParameterError
 
 
 class ParamGroups:

@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from .export import StreamedSafetensors, remove_partials
 from .tensor_parallel import region, whole_shape
-from .weight_files import INDEX, WEIGHTS, Match, WeightFiles, WeightsError, agree, match
+from .errors import WeightsError
+from .weight_files import INDEX, WEIGHTS, Match, WeightFiles, agree, match
 
 log = logging.getLogger("zeroshard")
 

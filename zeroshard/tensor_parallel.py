@@ -188,7 +188,7 @@ class TensorParallel:
     def checkpoint_path(self, path) -> str:
         """This TP rank's part of a checkpoint: `path` is a root that save_checkpoint wrote
         tensor-parallel checkpoints to, or a checkpoint directory inside one (any TP rank's)."""
-        from .checkpoint import CheckpointError
+        from .errors import CheckpointError
         path = os.path.abspath(os.fspath(path))
         mine = f"tp{self.rank}-of-{self.degree}"
         if os.path.isdir(os.path.join(path, mine)):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .errors import ConfigError
+
 
 def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """A module's own parameters (not its submodules'), as (attribute name, parameter)."""
@@ -78,7 +80,7 @@ def leaf_modules(model: nn.Module, spec) -> list[nn.Module]:
                 unmatched.append(name)
         found.extend(m for m in hits if all(m is not f for f in found))
     if unmatched:
-        raise ValueError(f"zeroshard config: leaf_modules names {unmatched}, which match no module of the model "
+        raise ConfigError(f"zeroshard config: leaf_modules names {unmatched}, which match no module of the model "
                          "(give a class name such as 'SwitchTransformersSparseMLP' or a qualified module name "
                          "such as 'encoder.block.1.layer.1.mlp')")
     order = {id(m): i for i, m in enumerate(model.modules())}

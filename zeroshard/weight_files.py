@@ -31,17 +31,14 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from .errors import WeightsError
+
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 READ_BLOCK = 16 << 20  # bytes of a file mapped at once
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
-
-
-class WeightsError(RuntimeError):
-    """Pretrained weights could not be loaded or saved: unreadable files, or keys missing,
-    unexpected or of the wrong shape (all listed). Raised on every rank."""
 
 
 def _kind(dtype: torch.dtype) -> str:

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from ..config import Config, load_config
+from ..errors import ConfigError
 
 # engine.stats() keys both integrations log as `zeroshard/<key>` (stats.py documents each)
 LOGGED = ("step_time_s", "tokens_per_s", "samples_per_s", "skipped_steps", "model_state_bytes", "cache_peak_bytes",
@@ -27,7 +28,7 @@ def settle(config, decided: dict, setting_of: dict, framework: str, agrees=lambd
     for key, value in decided.items():
         mine = getattr(cfg, key)
         if (key in given or mine != getattr(defaults, key)) and mine != value and not agrees(key, mine):
-            raise ValueError(f"zeroshard config {key}={mine!r} contradicts {framework}'s {setting_of[key]} (which "
+            raise ConfigError(f"zeroshard config {key}={mine!r} contradicts {framework}'s {setting_of[key]} (which "
                              f"gives {value!r}); set it through {framework}")
     return dataclasses.replace(cfg, **decided)
 

@@ -105,7 +105,9 @@ class ZeroShardStrategy(DDPStrategy):
                       key == "gradient_accumulation_steps" and value == trainer.accumulate_grad_batches)
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
+        if self.accelerator is None or self.model is None:  # Lightning connects both before setup
+            raise RuntimeError("zeroshard: ZeroShardStrategy.setup before the Trainer connected an accelerator and "
+                               "a model: pass the strategy to a lightning Trainer")
         self.accelerator.setup(trainer)
         if self.engine is None:  # the first fit/validate/test/predict makes it; later ones reuse it
             cfg = self._engine_config(trainer)
@@ -208,6 +210,6 @@ class ZeroShardStrategy(DDPStrategy):
         """Lightning's teardown without moving the module to the CPU (its parameters live in the
         engine's chunks)."""
         self.precision_plugin.teardown()
-        assert self.accelerator is not None
-        self.accelerator.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
         self.checkpoint_io.teardown()

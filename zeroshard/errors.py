@@ -1,0 +1,84 @@
+"""Every public error of zeroshard, in one place. Each is a `ZeroShardError`, so `except
+zeroshard.ZeroShardError` catches whatever zeroshard raises on purpose, and keeps the built-in base
+it had (ValueError, RuntimeError, FloatingPointError), so older `except` clauses still match.
+This module imports nothing: every floor of the package may raise these.
+"""
+from __future__ import annotations
+
+
+class ZeroShardError(Exception):
+    """Base of every error zeroshard raises on purpose (a bad input, a damaged file, a lost rank)."""
+
+
+class ConfigError(ZeroShardError, ValueError):
+    """A config that cannot be used: an unknown key, a bad value, a file that does not parse or does
+    not exist. The message names the key or the file."""
+
+
+class DivergedError(ZeroShardError, RuntimeError):
+    """Ranks were about to issue different collectives: their call order diverged."""
+
+
+class PeerLostError(ZeroShardError, RuntimeError):
+    """Another rank is gone while this one waited for it: it died, was killed or exited (its
+    connections closed: raised at once), or it stopped or hung (CollectiveTimeoutError, after
+    config collective_timeout_s). The message names what was being waited for and the optimizer
+    step; the backend's own error is the cause."""
+
+
+class CollectiveTimeoutError(PeerLostError):
+    """A collective waited longer than config collective_timeout_s for the other ranks: one of them
+    is stopped, hung, or far behind (a rank that died shows at once, as a PeerLostError)."""
+
+
+class ShardedParameterError(ZeroShardError, RuntimeError):
+    """A stage-3 parameter was computed with outside the forward of a module that owns it."""
+
+
+class UninitializedTensorError(ZeroShardError, RuntimeError):
+    """A tensor of a meta-device model that no initialiser writes (see materialize.py)."""
+
+
+class GradientsInChunksError(ZeroShardError, RuntimeError):
+    """A torch function that reads parameters' .grad was given parameters zeroshard trains: their
+    gradients live in its chunks, so it would see none."""
+
+
+class ModuleMovedError(ZeroShardError, RuntimeError):
+    """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
+
+
+class FrozenParameterError(ZeroShardError, RuntimeError):
+    """A parameter frozen at `zeroshard.initialize` and unfrozen since has no param group to join:
+    the optimizer callable split the tensors it was handed into several groups by position."""
+
+
+class NonFiniteError(ZeroShardError, FloatingPointError):
+    """A gradient was NaN or inf with config nonfinite='raise' (raised on every rank)."""
+
+
+class WeightsError(ZeroShardError, RuntimeError):
+    """Pretrained weights could not be loaded or saved: unreadable files, or keys missing,
+    unexpected or of the wrong shape (all listed). Raised on every rank."""
+
+
+class CheckpointError(ZeroShardError, RuntimeError):
+    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
+
+
+class InternalError(ZeroShardError, RuntimeError):
+    """zeroshard broke one of its own invariants (a chunk or the engine in a state its next step
+    does not allow): a bug in zeroshard, to be reported. Checked explicitly, so `python -O` keeps
+    the checks that protect the training state."""
+
+
+def invariant(holds: bool, what) -> None:
+    """Raise InternalError unless `holds`; `what()` (a callable, so a passing check costs nothing)
+    says what was expected."""
+    if not holds:
+        raise InternalError(f"zeroshard internal error: {what()} (please report it)")
+
+
+class PeerLostInCheckpointError(CheckpointError, PeerLostError):
+    """Another rank was lost while a checkpoint was being saved or loaded: a CheckpointError (what
+    the save or load raises) and a PeerLostError (what every wait raises for a lost peer)."""
