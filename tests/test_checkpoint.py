@@ -25,7 +25,7 @@ from checkpoint_scenarios import (CASES, HALF, disk_full_save, global_data, kill
                                   save_all)
 from distributed import ok, spawn
 from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
-from zeroshard.checkpoint import row_major_boxes
+from zeroshard.checkpoint_files import row_major_boxes
 
 WORLD = 2
 
@@ -208,7 +208,7 @@ def replaced(name):
     def how(path):
         import json
 
-        from zeroshard.checkpoint import SUMS, digest
+        from zeroshard.checkpoint_files import SUMS, digest
         (path / name).write_bytes(bytes(16))
         sums = json.loads((path / SUMS).read_text())
         sums[name] = digest(str(path / name))
@@ -267,7 +267,7 @@ def test_no_file_of_a_checkpoint_can_run_code(one_checkpoint, tmp_path):
     import json
     import pickle
 
-    from zeroshard.checkpoint import SUMS, digest
+    from zeroshard.checkpoint_files import SUMS, digest
     from zeroshard.export import export
     src, _ = one_checkpoint
     marker = tmp_path / "pwned"

@@ -53,7 +53,7 @@ def _slow(fn, delay):
 def _reader(root: str, stop: str, out: str, writer_out: str) -> None:
     import random
 
-    import zeroshard.checkpoint as ck
+    import zeroshard.checkpoint_load as ck
     import zeroshard.export as ex
     torch.set_num_threads(1)
     rng = random.Random(0)

@@ -46,7 +46,7 @@ def test_leaf_modules_named_in_the_config(res, how):
 
 def test_a_leaf_module_name_that_matches_nothing_is_refused(res):
     got = res[0]["unknown_leaf_module"]
-    assert got.get("error", "").startswith("ValueError") and "NoSuchBlock" in got["error"]
+    assert got.get("error", "").startswith("ConfigError") and "NoSuchBlock" in got["error"]  # a ValueError
 
 
 def test_planning_a_moe_that_routes_by_data_is_refused_on_every_rank(res):

@@ -161,7 +161,8 @@ def auto(world):
     exceeds, each trains the single-process model."""
     import zeroshard
     from zeroshard.hardware import default_device, probe
-    from zeroshard.planner import FRAGMENTATION, Planner, Target, optimizer_state_bytes
+    from zeroshard.auto_plan import optimizer_state_bytes
+    from zeroshard.planner import FRAGMENTATION, Planner, Target
     mesh = zeroshard.device_mesh(2)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp

@@ -73,9 +73,18 @@ class ChunkCache:
         self.source = "profiled"
 
     def restart_recording(self) -> None:
+        """Record the sequence of chunk uses afresh (the layout may still change)."""
         self.schedule.clear()
         self._positions.clear()
         self.recording = True
+
+    def stop_recording(self) -> None:
+        """The sequence recorded is the schedule from now on."""
+        self.recording = False
+
+    def rewind(self) -> None:
+        """A forward begins: follow the schedule from its start."""
+        self.cursor = 0
 
     # -- use -----------------------------------------------------------------------------------
     def acquire(self, chunk: Chunk) -> None:

@@ -346,6 +346,16 @@ class Chunk:
         for s in self.slots:
             set_local(s.param, empty)
 
+    def expect_arrival(self, work) -> object:
+        """An update is on its way into this chunk (anything with wait(): a collective's work, a
+        Pending copy); await_arrival waits for it. Returns `work`."""
+        self.arriving = work
+        return work
+
+    def count_grad(self) -> None:
+        """One more parameter's gradient arrived in this backward pass."""
+        self.grads_seen += 1
+
     def await_arrival(self) -> None:
         """Wait for the update arriving into this chunk, if any (on the device where it can)."""
         if self.arriving is not None:

@@ -15,6 +15,7 @@ Every collective zeroshard issues goes through `Comm`, which
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import os
@@ -154,7 +155,7 @@ class Comm:
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.elements = 0  # payload volume since the last reset, counted as the ZeRO paper does
         self.control_collectives = 0  # small collectives on the group: overflow flags, norms
-        self.counting = True
+        self._counting = True  # off inside uncounted()
         self.sequencer: Sequencer | None = None  # with order checks on (enable_order_checks)
         self.pass_index = 0  # forward-backward passes this rank has run: part of every order tag
         self.step = 1  # the optimizer step training is working towards (the engine keeps it), for errors
@@ -241,11 +242,29 @@ class Comm:
         """Tag comparisons since the last reset_counters (ordering.py)."""
         return 0 if self.sequencer is None else self.sequencer.check.comparisons
 
+    def at(self, pass_index: int | None = None, step: int | None = None) -> None:
+        """Where training is, for order tags and errors: the forward-backward pass (micro-batch)
+        this rank runs, and the optimizer step it works towards."""
+        if pass_index is not None:
+            self.pass_index = pass_index
+        if step is not None:
+            self.step = step
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Collectives issued inside are not step traffic (a re-pack, a checkpoint's refresh, a
+        fingerprint): `elements` leaves them out."""
+        before, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = before
+
     def reset_counters(self) -> None:
         self.elements = 0
         self.control_collectives = 0
         if self.sequencer is not None:
-            self.sequencer.check.comparisons = 0
+            self.sequencer.check.reset_counters()
 
     def side_channel(self) -> "Comm":
         """Collective, at set-up: a Comm over a new gloo group of the same ranks, for host tensors,
@@ -259,7 +278,7 @@ class Comm:
                                                         use_local_synchronization=ranks is not None))
 
     def _count(self, n: int) -> None:
-        if self.counting and self.world > 1:
+        if self._counting and self.world > 1:
             self.elements += n
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False,

@@ -35,8 +35,9 @@ from .module_state import (StateDictLoading, full_parameters, guard_grad_readers
                            sync_generation)
 from .offload import Placement, Transfer
 from .ordering import STEP, waiting
-from .optimizer import LossScaler, ShardedOptimizer, as_factory, default_optimizer
-from .planner import plan_for, profiled_sequence
+from .loss_scale import LossScaler
+from .optimizer import ShardedOptimizer, as_factory, default_optimizer
+from .auto_plan import plan_for, profiled_sequence
 from .precision import InputCasts, cast_buffers
 from .reducer import GradientReducer
 from .saved_tensors import SavedTensorHooks
@@ -63,20 +64,38 @@ class Engine:
 
     def __init__(self, module: nn.Module, optimizer, config: Config, device: torch.device | None = None,
                  example_inputs=None, weights=None, init_fn=None):
+        # Named steps, in order: each leaves the engine ready for the next (FSDP2's fully_shard
+        # and torchtitan's parallelize steps read the same way).
+        self.module = module
+        self._join_world(config, device)
+        config = self._plan(module, optimizer, config, example_inputs)
+        self._set_counters()
+        start = self._read_model(module, config, weights, init_fn)
+        self._make_parts(optimizer, config)
+        self._pack(start)
+        del start  # the weights' reader and any values it held: free before the hooks go on
+        self._install_hooks(module, config)
+        self._follow_schedule()
+
+    def _join_world(self, config: Config, device: torch.device | None) -> None:
+        """The device, the process group, tensor parallelism and the Comms over them."""
         self.device = device or default_device()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_process_group(self.device, config.collective_timeout_s)
         self.tp = None  # the tensor-parallel side (tensor_parallel.py); ZeRO runs over its "dp" group
         if config.tensor_parallel > 1:
-            self.tp = TensorParallel(module, config.tensor_parallel, self.device)
+            self.tp = TensorParallel(self.module, config.tensor_parallel, self.device)
         self.comm = Comm(self.device, group=self.tp.dp_group if self.tp else None)
         # Every rank, TP peers included: what one rank decides or fails at (a plan, an unreadable
         # file) reaches them all, so none goes on alone.
         self.world_comm = self.tp.world_comm if self.tp else self.comm
         self.transfer = Transfer(self.device)
         # Modules stage 3 gathers whole (units.py): mixture-of-experts blocks, or the config's
-        self.leaves = leaf_modules(module, config.leaf_modules)
+        self.leaves = leaf_modules(self.module, config.leaf_modules)
+
+    def _plan(self, module: nn.Module, optimizer, config: Config, example_inputs) -> Config:
+        """offload/stage 'auto': profile and plan; returns the config that runs."""
         self.plan = self.profile = None
         if config.planned:
             self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
@@ -86,9 +105,11 @@ class Engine:
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
         self.placement = Placement(optimizer_on_host=config.offload_optimizer,
                                    params_on_host=config.offload_params)
-        self.module = module
         self.dtype = config.dtype
         self.stage = config.stage
+        return config
+
+    def _set_counters(self) -> None:
         self.phase = TrainingPhase.IDLE
         self.micro_steps = 0
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
@@ -99,6 +120,8 @@ class Engine:
         self._step_hooks = collections.OrderedDict()  # RemovableHandle needs a weakly referable dict
         self.timeline = None  # a MemoryTimeline while record_memory() is on
 
+    def _read_model(self, module: nn.Module, config: Config, weights, init_fn) -> InitialValues:
+        """The parameters, their first values (weights, initialisers, or as built), buffers' dtype."""
         self.params, self.names = list_parameters(module)
         self.shapes = {id(p): local_shape(p) for p in self.params}  # what this rank stores of each
         start = InitialValues(module, self.params, weights, init_fn, config.init_seed,
@@ -110,7 +133,10 @@ class Engine:
         self.state_keys = resolve_state(module, self.device)
         self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
             else None
+        return start
 
+    def _make_parts(self, optimizer, config: Config) -> None:
+        """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
         numels = [p.numel() for p in self.params]
         cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
         placement_of = (lambda i: self.placement) if self.plan is None else (lambda i: self.plan.placement(i, self.stage))
@@ -122,23 +148,29 @@ class Engine:
         self.reducer = GradientReducer(self.comm, self.stage, config.gradient_accumulation_steps)
         self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
         host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
-        delayed = config.delay_update_after is not None
+        self._delayed = config.delay_update_after is not None
         self.optim = ShardedOptimizer(optimizer or default_optimizer(host=host), self.comm, param_names=self.names,
                                       stage=self.stage, dtype=self.dtype,
                                       accumulation=config.gradient_accumulation_steps,
                                       clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
                                       delay_after=config.delay_update_after,
-                                      side_comm=self.comm.side_channel() if delayed else None,
+                                      side_comm=self.comm.side_channel() if self._delayed else None,
                                       nonfinite=config.nonfinite, measure_norm=config.grad_norm)
         if config.check_order:
             self.comm.enable_order_checks()
+
+    def _pack(self, start: InitialValues) -> None:
+        """The chunks, packed in first-use order (profiled, or as listed until the first step), and
+        filled with the first values."""
         order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
         self.layout.build(order, start.fill, broadcast=start.broadcast)
         start.finish(self.world_comm, self.params, self.chunks, self.device)
-        del start
         self.cache.set_chunks(self.chunks)
         self.optim.attach(self.chunks)
 
+    def _install_hooks(self, module: nn.Module, config: Config) -> None:
+        """Stage-3 hooks, the module's own API (zero_grad, generate, moves, load_state_dict), the
+        stage 1-2 arrival hooks, gradient hooks and saved-tensor hooks."""
         self.hooks = None
         if self.stage == 3:
             if self.leaves and self.comm.rank == 0:
@@ -148,7 +180,7 @@ class Engine:
                                      on_borrow=self.layout.forget, leaves=self.leaves,
                                      on_leaf_backward=weak_method(self._leaf_backward_done))
             hooks = self.hooks
-            self.layout.real_params = lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m)
+            self.layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
             self.reducer.count_at_leaf_end(p for leaf in self.leaves for _, p in self.hooks.params_of(leaf))
         route_zero_grad(module, weak_method(self.zero_grad))
         if (self.stage == 3 and self.comm.world > 1) or self.tp is not None:  # a forward is a collective
@@ -160,7 +192,7 @@ class Engine:
         self.loading = StateDictLoading(module, self.hooks.direct_real if self.hooks else direct_params,
                                         lambda: layout.slot_of, self.hooks, weak_method(self._before_load))
         self._arrivals = ArrivalHooks(module, self.layout.chunks_of) \
-            if self.stage in (1, 2) and (self.comm.world > 1 or delayed) else None
+            if self.stage in (1, 2) and (self.comm.world > 1 or self._delayed) else None
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
         # A dropped engine must not live on in autograd: a weak method. Parameters unfrozen later get
@@ -177,7 +209,10 @@ class Engine:
             if config.partition_activations else None
         self.saved = SavedTensorHooks(self.device, self.transfer, self.hooks, lambda: self.chunks,
                                       config.offload_activations, partition)
-        self.cache.recording = True
+
+    def _follow_schedule(self) -> None:
+        """Record the chunk sequence over the first micro-batch, or follow the profiled one."""
+        self.cache.restart_recording()
         self._micro_layout_final = False
         if self.profile is not None:  # packed in profiled first-use order; follow the profiled schedule
             self.fix_layout()
@@ -203,7 +238,7 @@ class Engine:
             raise RuntimeError(f"zeroshard: forward called while the engine is in {self.phase.value}")
         if torch.is_grad_enabled():
             self._follow_requires_grad()
-        self.comm.pass_index = self.micro_steps
+        self.comm.at(pass_index=self.micro_steps)
         self.phase = TrainingPhase.FORWARD
         if torch.is_grad_enabled() and self.module.training:
             self.meter.forward(args, kwargs)
@@ -218,7 +253,7 @@ class Engine:
         self._micro_layout_final = self.layout.final
         if self.hooks is not None:
             self.hooks.close_open_forwards()
-            self.cache.cursor = 0  # every forward (micro-batch or evaluation) replays the schedule
+            self.cache.rewind()  # every forward (micro-batch or evaluation) replays the schedule
         tracking = self.timeline is not None and self.timeline.recording
         if torch.is_grad_enabled() and self.saved.needed(self.timeline):
             with self.saved.around_forward(self.timeline, by_reference=self._micro_layout_final):
@@ -326,8 +361,18 @@ class Engine:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         invariant(self.phase is TrainingPhase.IDLE, lambda: f"a backward began in {self.phase}")
         self.phase = TrainingPhase.BACKWARD
-        self.comm.pass_index = self.micro_steps
+        self.comm.at(pass_index=self.micro_steps)
         self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync)
+
+    def _set_steps(self, steps: int) -> None:
+        """Optimizer steps applied so far; errors name the one being worked towards (comm.step)."""
+        self.steps = steps
+        self.comm.at(step=steps + 1)
+
+    def restore_counters(self, steps: int) -> None:
+        """A checkpoint's step count, at an accumulation boundary (micro-batches count afresh)."""
+        self._set_steps(steps)
+        self.micro_steps = 0
 
     def _abandon_backward(self) -> None:
         """A backward raised: drop its reductions so the engine can go on. Gradients it already
@@ -349,7 +394,7 @@ class Engine:
         if self.timeline is not None:
             self.timeline.sample("backward")
         if self.cache.recording and self._micro_layout_final:
-            self.cache.recording = False
+            self.cache.stop_recording()
         elif self.cache.recording:
             self.cache.restart_recording()
 
@@ -392,7 +437,7 @@ class Engine:
         try:
             with self._waits("run the optimizer step after"):
                 if self.reducer.unreduced:  # the window's last backward ran under no_sync()
-                    self.comm.pass_index = self.micro_steps
+                    self.comm.at(pass_index=self.micro_steps)
                     self.reducer.reduce_unreduced(self.chunks)
                 applied = self.optim.step()
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
@@ -404,8 +449,7 @@ class Engine:
             self.cache.flush()
         if self._arrivals is not None:
             self._arrivals.arm(self.chunks)
-        self.steps += int(applied)
-        self.comm.step = self.steps + 1
+        self._set_steps(self.steps + int(applied))
         self._stats = step_stats(self, applied, self.meter.finish(self.comm.world, self.optimizer))
         if self.timeline is not None:
             self.timeline.step_done()
@@ -520,7 +564,7 @@ class Engine:
         checking its files, model and optimizer (CheckpointError before anything changes otherwise).
         With tensor parallelism, a checkpoint of the same TP degree (any data-parallel size, stage
         or chunk size). Returns the saved `client_state` ({} if none)."""
-        from .checkpoint import load
+        from .checkpoint_load import load
         if self.tp is not None:
             path = self.tp.checkpoint_path(path)
         return load(self, path, tag, load_optimizer)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .checkpoint import SafeReader, cause_line, dcp_load, read_extra, read_meta, read_sums, verify_all
+from .checkpoint_files import SafeReader, cause_line, dcp_load, read_extra, read_meta, read_sums, verify_all
 from .checkpoint_dirs import lease
 from .errors import CheckpointError
 from .weight_files import WEIGHTS

@@ -55,7 +55,7 @@ class ChunkLayout:
         self.capacity = capacity  # elements per chunk (raised to the largest parameter)
         self.grad_dtype = grad_dtype or dtype
         self.placement_of = placement_of
-        self.real_params: Callable[[nn.Module], list] = direct_params
+        self.real_params: Callable[[nn.Module], list] = direct_params  # see read_params_with
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, tuple[Chunk, Slot]] = {}  # id(param) -> its chunk and slot
         self._module_chunks: dict[nn.Module, list[Chunk]] = {}
@@ -120,11 +120,12 @@ class ChunkLayout:
             c, s = old_of[id(slot.param)]
             return gathered[c][s.offset + lo:s.offset + hi]
 
-        self.comm.counting = False
-        try:
+        with self.comm.uncounted():
             self.build(order, fill, broadcast=False, prepare=prepare)
-        finally:
-            self.comm.counting = True
+
+    def read_params_with(self, real_params: Callable[[nn.Module], list]) -> None:
+        """How to list a module's direct parameters (stage 3: past its placeholders)."""
+        self.real_params = real_params
 
     def differs(self, order: list[nn.Parameter]) -> bool:
         """Whether packing `order` would change the layout (trainable parameters pack first)."""
@@ -215,12 +216,9 @@ class ChunkLayout:
     def full_values(self) -> dict[int, torch.Tensor]:
         """Full fp32 value of every parameter, by id (a collective; not counted as step traffic)."""
         out = {}
-        self.comm.counting = False
-        try:
+        with self.comm.uncounted():
             for c in self.chunks:
                 full = self.full_fp32(c)
                 for s in c.slots:
                     out[id(s.param)] = full[s.offset:s.offset + s.numel].view(s.shape)
-        finally:
-            self.comm.counting = True
         return out

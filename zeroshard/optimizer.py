@@ -42,36 +42,9 @@ import torch
 
 from .chunks import fold_host_grad
 from .errors import DivergedError, NonFiniteError, PeerLostError, invariant
+from .loss_scale import LossScaler
 from .ordering import PUBLISH
 from .param_groups import ParamGroups, as_factory
-
-
-class LossScaler:
-    """Dynamic loss scaling for fp16: halve on overflow, double after `window` clean steps."""
-
-    def __init__(self, initial: float, window: int):
-        self.scale = float(initial)
-        self.window = window
-        self.clean_steps = 0
-        self.grads_scale = self.scale  # the scale the gradients now accumulating were computed with
-
-    def scale_loss(self, loss):
-        """The loss to differentiate: times the current scale, which its gradients then carry (a
-        delayed update may change `scale` before they are stepped)."""
-        self.grads_scale = self.scale
-        return loss.float() * self.scale
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale = max(self.scale / 2, 1.0)
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps % self.window == 0:
-                self.scale *= 2
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
 
 
 def default_optimizer(host: bool):
@@ -383,7 +356,7 @@ class ShardedOptimizer:
         self.comm.agree(PUBLISH)
         for c in self.chunks:
             c.await_arrival()  # a delayed update's upload into the shard the gather reads
-            c.arriving = self.comm.all_gather(c.full, c.shard, async_op=True)
+            c.expect_arrival(self.comm.all_gather(c.full, c.shard, async_op=True))
 
     # -- the delayed update (DPU) -----------------------------------------------------------------
     def _launch(self) -> None:
@@ -464,7 +437,7 @@ class ShardedOptimizer:
         self.applied_updates += 1
         for c in self.chunks:
             slot = self._delay_staging[id(c)]
-            slot[1] = c.arriving = c.transfer.to_device(slot[0], out=c.shard)  # waited for at first use
+            slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
         self._gather_updated()
         return True
 
@@ -486,6 +459,10 @@ class ShardedOptimizer:
         for name in ("copied", "grad_inputs", "copy_targets"):  # CPUAdamW's per-step side channels
             if hasattr(self.optimizer, name):
                 getattr(self.optimizer, name).clear()
+
+    def restore_counters(self, skipped_steps: int, boundaries: int) -> None:
+        """A checkpoint's step counters: steps skipped, and step() calls (applied or skipped)."""
+        self.skipped_steps, self.boundaries = skipped_steps, boundaries
 
     def state_bytes(self) -> dict[bool, int]:
         """Bytes of the optimizer's own state tensors (moments etc.) on this rank, by whether they

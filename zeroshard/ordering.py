@@ -127,6 +127,9 @@ class OrderCheck:
         self.failure: str | None = None  # the first disagreement's message
         self.comparisons = 0
 
+    def reset_counters(self) -> None:
+        self.comparisons = 0
+
     def start(self, tag: int) -> tuple[torch.Tensor, object]:
         """Start comparing `tag` (async): (buffer, work) for `finish`."""
         self.raise_if_failed()

@@ -245,11 +245,8 @@ def whole_values(engine, order: list[str]) -> Iterator[tuple[object, torch.Tenso
         c, s = slot_of[name]
         if c is not current:
             full = None
-            engine.comm.counting = False  # not step traffic
-            try:
+            with engine.comm.uncounted():
                 full = engine.layout.full_fp32(c)
-            finally:
-                engine.comm.counting = True
             current = c
         value = full[s.offset:s.offset + s.numel].view(s.shape)
         yield s, value if engine.tp is None else engine.tp.full_tensor(s.param, value)

@@ -85,7 +85,7 @@ class GradientReducer:
     def _count(self, chunk: Chunk, slot: Slot) -> None:
         if id(slot) not in self._arrived:
             self._arrived.add(id(slot))
-            chunk.grads_seen += 1
+            chunk.count_grad()
 
     def start_complete(self) -> None:
         """Start the reductions of the chunks complete so far, in one order on every rank (as DDP

@@ -254,11 +254,8 @@ class PartitionedActivations:
         """Collective over the TP group: whether every TP rank saved the same values."""
         mine = self._fingerprint(t).to(self.comm.control_device)
         every = torch.empty(mine.numel() * self.comm.world, dtype=mine.dtype, device=mine.device)
-        self.comm.counting = False
-        try:
+        with self.comm.uncounted():
             self.comm.all_gather(every, mine)
-        finally:
-            self.comm.counting = True
         self.fingerprints += 1
         every = every.view(self.comm.world, -1)
         return bool((every == every[0]).all())
