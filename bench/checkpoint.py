@@ -78,7 +78,7 @@ def load_phase(rank, world, args, stage):
 
 
 PEAK = r"""
-import sys, torch, zeroshard.export as ex
+import sys, torch, zeroshard.state.export as ex
 from safetensors import safe_open
 import torch.distributed.checkpoint
 

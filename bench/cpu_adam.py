@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from zeroshard import cpu_adam
-from zeroshard.cpu_adam import CPUAdamW
+from zeroshard.optim import cpu_adam
+from zeroshard.optim.cpu_adam import CPUAdamW
 
 
 def parse_numel(s: str) -> int:

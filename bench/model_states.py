@@ -7,7 +7,7 @@ torch AdamW(lr=1e-3, weight_decay=0), 4 x 128 random tokens per rank per step. F
 the ranks are local processes over gloo (tests/distributed.py's spawn); each stage gets a fresh
 model and trains --steps steps, after which every rank reports `engine.stats()["model_state_bytes"]`
 (parameters, gradients, fp32 masters and Adam states it holds between steps) and the padded element
-count Psi. Table 1 (mixed-precision Adam, K = 12) comes from zeroshard.estimate with that Psi:
+count Psi. Table 1 (mixed-precision Adam, K = 12) comes from zeroshard.planning.estimate with that Psi:
 16 Psi, 4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N, 16 Psi/N bytes for stages 0-3.
 
 The engine counts parameter and gradient buffers by their sizes, so each row also carries a check
@@ -108,7 +108,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be at least 1")
-    from zeroshard.estimate import estimate
+    from zeroshard.planning.estimate import estimate
 
     rows = []
     for world in (int(w) for w in args.worlds.split(",") if w.strip()):

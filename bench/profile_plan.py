@@ -9,7 +9,7 @@
 2. The chunk search for that model (checkpointing on) on 8 x 80 GB and 1 x 80 GB described targets:
    search time and padding waste. Bar: under 5 s, waste under 4%.
 3. Small GPT-2 configurations: the profile's predicted saved-for-backward and peak activation bytes
-   against the same figures measured on real tensors (`zeroshard.profiler.measure`), on this
+   against the same figures measured on real tensors (`zeroshard.planning.profiler.measure`), on this
    machine's device (on a GPU also torch.cuda.max_memory_allocated). Bar: within 10%.
    --quick leaves out the GPT-2 124M rows, most of the run's time on a CPU.
 """
@@ -38,9 +38,9 @@ def main() -> None:
     t_import = time.perf_counter() - t
     transformers.logging.set_verbosity_error()
     import zeroshard
-    from zeroshard.hardware import Hardware
-    from zeroshard.planner import Planner, Target
-    from zeroshard.profiler import measure
+    from zeroshard.planning.hardware import Hardware
+    from zeroshard.planning.planner import Planner, Target
+    from zeroshard.planning.profiler import measure
 
     print(f"import transformers: {t_import:.2f} s (excluded)")
     out["import_transformers_s"] = t_import

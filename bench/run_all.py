@@ -495,7 +495,7 @@ def render_memory(ctx, part):
     mib = 2**20
     md = ["`python bench/model_states.py --worlds 1,2,3`: gpt2-tiny, bf16 compute, fp32 masters, AdamW, after 2 steps; "
           "`engine.stats()['model_state_bytes']`, the largest over ranks. Table 1 (mixed-precision Adam, K = 12): "
-          "`zeroshard.estimate.estimate(Ψ, stage, N)` = 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes "
+          "`zeroshard.planning.estimate.estimate(Ψ, stage, N)` = 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N bytes "
           "for stages 0-3, Ψ = the padded element count at that world size.", "",
           "| N | stage | measured MiB / rank | Table 1 MiB | measured / Table 1 | live tensors MiB | Ψ |",
           "|---|---|---|---|---|---|---|"]

@@ -226,7 +226,7 @@ def disk_full_save(rank, world, root, out_path):
 def _arm(point, rank, world):
     import torch.distributed.checkpoint.filesystem as fs
 
-    import zeroshard.checkpoint as ck
+    import zeroshard.state.checkpoint as ck
 
     def die(*_, **__):
         os._exit(17)

@@ -175,7 +175,7 @@ for _stage in range(4):
 def export_output(rank, world):
     """A `zeroshard export` output (a folder whose model.safetensors holds every state_dict key, the
     tied lm_head.weight too) loads through weights= and load_weights, strictly."""
-    from zeroshard.export import export
+    from zeroshard.state.export import export
     src = zeroshard.initialize(build("gpt2", meta=True), make_sgd, {"stage": 2, "init_seed": 5})
     _train(src, batches(1, world, 1, vocab=96, seq=16), rank)
     src.save_checkpoint(folder("ckpt"))

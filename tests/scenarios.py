@@ -581,10 +581,10 @@ AUTO_CASES = {  # name: (precision, optimizer factory)
 def _auto_caps(world, prec, opt, example):
     """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
     ZeRO-3 offload need on the chunks the planner picks at that cap)."""
-    from zeroshard.auto_plan import optimizer_state_bytes
-    from zeroshard.hardware import default_device
-    from zeroshard.hardware import probe
-    from zeroshard.planner import FRAGMENTATION, Planner, Target
+    from zeroshard.planning.auto_plan import optimizer_state_bytes
+    from zeroshard.distributed.collectives import default_device
+    from zeroshard.planning.hardware import probe
+    from zeroshard.planning.planner import FRAGMENTATION, Planner, Target
 
     prof = zeroshard.profile(tiny_gpt2(), example, dtype=prec)
     hw = probe(default_device())  # the engine plans for its own device (on CUDA: with the driver reserve)

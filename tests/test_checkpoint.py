@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 
 import zeroshard
 import zeroshard.cli
-import zeroshard.export
+import zeroshard.state.export
 from checkpoint_scenarios import (CASES, HALF, disk_full_save, global_data, killed_save, resume_cases, resume_topology,
                                   save_all)
 from distributed import ok, spawn
 from models import ADAMW_TOL, make_adamw, make_sgd, reference, tiny_gpt2
-from zeroshard.checkpoint_files import row_major_boxes
+from zeroshard.files.checkpoint_files import row_major_boxes
 
 WORLD = 2
 
@@ -208,7 +208,7 @@ def replaced(name):
     def how(path):
         import json
 
-        from zeroshard.checkpoint_files import SUMS, digest
+        from zeroshard.files.checkpoint_files import SUMS, digest
         (path / name).write_bytes(bytes(16))
         sums = json.loads((path / SUMS).read_text())
         sums[name] = digest(str(path / name))
@@ -235,7 +235,7 @@ def test_every_export_failure_is_a_checkpoint_error_in_one_line(one_checkpoint, 
     UnicodeDecodeError, both as tracebacks. Now export raises CheckpointError, and the command
     exits 1 with one line on stderr; load_checkpoint names the same in one line, the rest of the
     cause kept as __cause__."""
-    from zeroshard.export import export
+    from zeroshard.state.export import export
     path = _damaged(one_checkpoint, tmp_path, damage)
     with pytest.raises(zeroshard.CheckpointError, match=re.escape(words)):
         export(str(path), str(tmp_path / "api"), progress=lambda line: None)
@@ -267,8 +267,8 @@ def test_no_file_of_a_checkpoint_can_run_code(one_checkpoint, tmp_path):
     import json
     import pickle
 
-    from zeroshard.checkpoint_files import SUMS, digest
-    from zeroshard.export import export
+    from zeroshard.files.checkpoint_files import SUMS, digest
+    from zeroshard.state.export import export
     src, _ = one_checkpoint
     marker = tmp_path / "pwned"
     names = sorted(os.listdir(src))
@@ -388,7 +388,7 @@ def test_export_loads_strict_and_equals_full_state_dict(saved, tmp_path):
     assert all(torch.equal(half[k], want[k].bfloat16()) for k in want)
     # read from the shards a few kilobytes at a time: many batches, the largest tensors alone
     lines = []
-    path = zeroshard.export.export(root, tmp_path / "small.safetensors", batch_bytes=4096, progress=lines.append)
+    path = zeroshard.state.export.export(root, tmp_path / "small.safetensors", batch_bytes=4096, progress=lines.append)
     small = load_file(path)
     assert list(small) == list(got) and all(torch.equal(small[k], got[k]) for k in got)
     assert len(lines) > 5 and lines[-1].startswith("zeroshard export: 29 tensors")

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 import zeroshard
-import zeroshard.export
+import zeroshard.state.export
 from safetensors.torch import load_file
 
 LOADS = SAVES = 200
@@ -53,8 +53,8 @@ def _slow(fn, delay):
 def _reader(root: str, stop: str, out: str, writer_out: str) -> None:
     import random
 
-    import zeroshard.checkpoint_load as ck
-    import zeroshard.export as ex
+    import zeroshard.state.checkpoint_load as ck
+    import zeroshard.state.export as ex
     torch.set_num_threads(1)
     rng = random.Random(0)
     ck.verify_all = ex.verify_all = _slow(ck.verify_all, lambda: rng.uniform(0, 0.03))
@@ -77,7 +77,7 @@ def _reader(root: str, stop: str, out: str, writer_out: str) -> None:
         if got["attempted"] % 10 == 0:  # export reads a version under the same lease
             target = os.path.join(os.path.dirname(out), "export.safetensors")
             try:
-                zeroshard.export.export(os.path.join(root, "same"), target, progress=lambda line: None)
+                zeroshard.state.export.export(os.path.join(root, "same"), target, progress=lambda line: None)
             except Exception as e:  # noqa: BLE001 -- counted, and the test fails on any
                 got["exports_failed"].append(f"{type(e).__name__}: {str(e)[:300]}")
                 continue

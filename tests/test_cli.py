@@ -7,9 +7,9 @@ import pytest
 import torch.nn as nn
 
 from distributed import table_rows
-from zeroshard import cli
+from zeroshard.cli.model import PRESETS
 from zeroshard.cli import bandwidth, main, rate, size
-from zeroshard.hardware import GIB, Hardware
+from zeroshard.planning.hardware import GIB, Hardware
 
 ROWS = ("ZeRO-2", "ZeRO-3", "ZeRO-2 offload", "ZeRO-3 offload", "plan")
 
@@ -125,7 +125,7 @@ def test_probes_this_machine_without_flags(capsys, monkeypatch):
     fake = Hardware(name="cpu", device_memory=64 * GIB, host_memory=64 * GIB, h2d=10e9, d2h=10e9, host_adam=1e9,
                     device_adam=1e9, device_flops=1e12, link=10e9)
     calls = []
-    monkeypatch.setattr("zeroshard.hardware.probe", lambda **kw: calls.append(kw) or fake)
+    monkeypatch.setattr("zeroshard.planning.hardware.probe", lambda **kw: calls.append(kw) or fake)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     rc, out, _ = run(capsys, "plan", "gpt2", "--seq-len", "128")
     assert rc == 0 and calls
@@ -189,4 +189,4 @@ def test_quantities():
     for bad in ("", "GB", "40XB", "-1GB", "0", "40iB"):
         with pytest.raises(Exception):
             size(bad)
-    assert set(cli.PRESETS) >= {"opt-175b", "gpt2-10b", "gpt2"}
+    assert set(PRESETS) >= {"opt-175b", "gpt2-10b", "gpt2"}

@@ -13,7 +13,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 
 
 def _staged_collectives(rank, world):
-    from zeroshard.collectives import Comm, init_process_group
+    from zeroshard.distributed.collectives import Comm, init_process_group
     device = torch.device("cuda", 0)
     init_process_group(device)  # ranks share one GPU: gloo, CUDA tensors staged through the host
     comm = Comm(device)
@@ -37,7 +37,7 @@ def test_ranks_sharing_a_gpu_run_collectives_over_gloo():
 
 
 def _diverging_order(rank, world, out):
-    from zeroshard.collectives import Comm, init_process_group
+    from zeroshard.distributed.collectives import Comm, init_process_group
     from zeroshard.errors import DivergedError
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -96,7 +96,7 @@ def test_an_upload_waited_for_by_the_device_can_still_be_synced_by_the_host():
     was already `wait()`ed, which only orders the compute stream; sync() must still block the host
     until the copy has run (it did nothing after wait() before: the host could overwrite a staging
     buffer the side stream had not yet read)."""
-    from zeroshard.offload import Transfer
+    from zeroshard.runtime.offload import Transfer
     t = Transfer(torch.device("cuda", 0))
     host = t.host_copy_of(torch.ones(1 << 20))
     torch.cuda._sleep(200_000_000)  # the compute stream is busy; the side stream's copy queues behind it

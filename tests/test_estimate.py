@@ -6,7 +6,7 @@ import pytest
 import zeroshard.cli
 from distributed import ok, table_rows
 from scenarios import PARITY
-from zeroshard.estimate import estimate, largest_model, paper_gb, per_param, table1, table2
+from zeroshard.planning.estimate import estimate, largest_model, paper_gb, per_param, table1, table2
 
 res = PARITY.fixture()
 
@@ -133,7 +133,7 @@ def test_tensor_parallelism_divides_every_model_state_by_its_degree(mp):
 
 
 def test_partitioned_activation_checkpoints_are_one_mp_th_and_cost_a_twelfth_of_mp_traffic():
-    from zeroshard.estimate import activation_checkpoint_bytes, communication_per_step
+    from zeroshard.planning.estimate import activation_checkpoint_bytes, communication_per_step
     shape = dict(layers=24, batch=8, seq=1024, hidden=1024)
     full = 24 * 8 * 1024 * 1024 * 2  # one bf16 checkpoint per block input
     assert activation_checkpoint_bytes(**shape, mp=16) == (full, 0.0)  # MP replicates them

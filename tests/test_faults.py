@@ -53,10 +53,10 @@ def _worker(rank: int, port: int, point: str, sig: int, out: str) -> None:
             elif point == "step":
                 engine.optim.step = fault
             elif point == "save":
-                import zeroshard.checkpoint as ck
+                import zeroshard.state.checkpoint as ck
                 ck.dcp.save = fault
             elif point == "save_pretrained":
-                from zeroshard.export import StreamedSafetensors
+                from zeroshard.state.export import StreamedSafetensors
                 StreamedSafetensors.write = fault
         x = data[1, 0, rank]
         engine.backward(engine(input_ids=x, labels=x).loss)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard import cpu_adam
+from zeroshard.optim import cpu_adam
 from zeroshard.config import load_config
 from models import OFFLOAD_EXACT, batches, max_diff, tiny_gpt2, train
 

@@ -164,7 +164,7 @@ def test_reading_any_range_of_any_tensor_in_blocks(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import save_file
 
-    import zeroshard.weight_files as zp
+    import zeroshard.files.weight_files as zp
     monkeypatch.setattr(zp, "READ_BLOCK", 40)
     tensors = {"a": torch.randn(7, 5), "b": torch.randn(23), "c": torch.tensor(2.0), "e": torch.randn(0, 4),
                "h": torch.randn(9, 3).to(torch.bfloat16)}

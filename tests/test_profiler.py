@@ -13,8 +13,8 @@ import torch
 
 import zeroshard
 from models import Quirky, tiny_gpt2
-from zeroshard.hooks import FirstUseRecorder
-from zeroshard.profiler import measure
+from zeroshard.runtime.hooks import FirstUseRecorder
+from zeroshard.planning.profiler import measure
 
 
 GPT2_CONFIGS = [  # (n_layer, n_embd, vocab, batch, seq, activation checkpointing)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.hardware import default_device
-from zeroshard.reducer import MAX_REDUCING
-from zeroshard.profiler import measure
-from zeroshard.timeline import plot
+from zeroshard.distributed.collectives import default_device
+from zeroshard.runtime.reducer import MAX_REDUCING
+from zeroshard.planning.profiler import measure
+from zeroshard.telemetry.timeline import plot
 
 from distributed import WorldResults
 from models import batches, make_adamw, tiny_gpt2, train

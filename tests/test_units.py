@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.cache import ChunkCache
-from zeroshard.chunks import ALIGN, Chunk, ChunkState, Slot, auto_chunk_size, pack
-from zeroshard.collectives import Comm
+from zeroshard.runtime.cache import ChunkCache
+from zeroshard.runtime.chunks import ALIGN, Chunk, ChunkState, Slot, auto_chunk_size, pack
+from zeroshard.distributed.collectives import Comm
 from zeroshard.config import Config, load_config
 
 

@@ -37,7 +37,7 @@ class SavedByReference:
     keep as references, so the chunk can be released between forward and backward."""
 
     def __init__(self):
-        import zeroshard.saved_tensors as saved
+        import zeroshard.runtime.saved_tensors as saved
         self.count, self._cls = 0, saved.SplitChunkView
         self._init = self._cls.__init__
 
@@ -160,9 +160,10 @@ def auto(world):
     flops and TP all-reduces); planned at a generous cap and at a cap that ZeRO-3 without offload
     exceeds, each trains the single-process model."""
     import zeroshard
-    from zeroshard.hardware import default_device, probe
-    from zeroshard.auto_plan import optimizer_state_bytes
-    from zeroshard.planner import FRAGMENTATION, Planner, Target
+    from zeroshard.distributed.collectives import default_device
+    from zeroshard.planning.hardware import probe
+    from zeroshard.planning.auto_plan import optimizer_state_bytes
+    from zeroshard.planning.planner import FRAGMENTATION, Planner, Target
     mesh = zeroshard.device_mesh(2)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp
@@ -289,7 +290,7 @@ def resume(directory):
     import torch.distributed as dist
     if dist.get_rank() == 0:  # export joins the TP ranks' shards into the whole model, offline
         from safetensors.torch import load_file
-        from zeroshard.export import export
+        from zeroshard.state.export import export
         exported = load_file(export(directory, os.path.join(directory, "..", "exported.safetensors"),
                                     progress=lambda line: None))
         out["export_keys_match"] = sorted(exported) == sorted(at_save)

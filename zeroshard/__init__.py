@@ -6,21 +6,67 @@
         loss = engine(batch).loss
         engine.backward(loss)
         engine.step()
+
+The package, floor by floor (lowest first). A module imports only from its own floor or lower ones,
+function-local imports included; tests/test_layering.py reads this list and checks it. The words the
+code uses are defined once, in docs/vocabulary.md.
+
+Floors:
+1. errors, units, config: every public error (one base, ZeroShardError), the model's units, the config.
+2. distributed: the only floor that calls torch.distributed (Comm, order checks, DTensor helpers).
+3. files: safetensors weights, checkpoint folders and their atomic commits, DCP adapters.
+4. runtime: chunks, rCache, hooks, reduction, transfers, saved tensors, precision, module state.
+5. optim: the sharded step on fp32 masters, loss scaling, param groups, the CPU Adam.
+6. planning: profiler, machine, planner, the paper's estimates.
+7. state: checkpoints saved and loaded, pretrained weights in and out, export.
+8. telemetry: per-step statistics and the memory timeline.
+9. engine: composes the floors below into `Engine`.
+10. __init__, integrations, cli, demo: the front ends.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
 import os
+import sys
 
 import torch
 
 from .config import Config, load_config
-from .cpu_adam import CPUAdamW
+from .optim.cpu_adam import CPUAdamW
 from .engine import Engine
 from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
                      GradientsInChunksError, ModuleMovedError, NonFiniteError, PeerLostError, PeerLostInCheckpointError,
                      ShardedParameterError, UninitializedTensorError, WeightsError, ZeroShardError)
-from .profiler import Profile, profile
-from .tensor_parallel import device_mesh
+from .planning.profiler import Profile, profile
+from .distributed.tensor_parallel import device_mesh
+
+# Module paths the README named before the package had floors. Each imports as the module it moved
+# to (the same object, so isinstance and monkeypatching agree); nothing is loaded until it is asked for.
+MOVED = {"collectives": "distributed.collectives", "cpu_adam": "optim.cpu_adam", "estimate": "planning.estimate",
+         "export": "state.export", "hardware": "planning.hardware", "planner": "planning.planner",
+         "profiler": "planning.profiler", "timeline": "telemetry.timeline"}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        short = fullname.removeprefix(__name__ + ".")
+        if short != fullname and short in MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        # The import system returns whatever sys.modules holds for the name after exec_module.
+        sys.modules[module.__name__] = importlib.import_module(
+            f"{__name__}.{MOVED[module.__name__.removeprefix(__name__ + '.')]}")
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",

@@ -8,7 +8,7 @@ step, the loss averaged over ranks, tokens/s over all ranks, and the model-state
 holds (parameters, gradients, optimizer states), which shrink with the stage.
 
 It also records each rank's memory over two steps (model states, rCache, gradient buffers,
-activations; zeroshard.timeline) and, for stages 1-3, over two steps of a stage-0 run of the same
+activations; zeroshard.telemetry.timeline) and, for stages 1-3, over two steps of a stage-0 run of the same
 model, and saves both side by side as a PNG (--memory-plot; needs matplotlib): at stage 3 the model
 states per rank are about 1/N of stage 0's.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-import zeroshard.timeline
+import zeroshard.telemetry.timeline
 
 VOCAB = 256
 
@@ -88,7 +88,7 @@ def memory_plot(args, engine, timeline) -> None:
     if not args.memory_plot:
         return
     try:
-        zeroshard.timeline.plot(timelines, args.memory_plot,
+        zeroshard.telemetry.timeline.plot(timelines, args.memory_plot,
                                 suptitle=f"zeroshard demo: memory of rank 0 of {world}, two training steps, {args.precision}")
         print(f"memory timeline saved to {args.memory_plot}", flush=True)
     except ImportError as e:

@@ -20,30 +20,30 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from .cache import ChunkCache
-from .chunks import Chunk, auto_chunk_size
-from .collectives import Comm, init_process_group
+from .runtime.cache import ChunkCache
+from .runtime.chunks import Chunk, auto_chunk_size
+from .distributed.collectives import Comm, default_device, init_process_group
 from .config import Config
 from .errors import invariant
-from .hardware import default_device
-from .arrival import ArrivalHooks
-from .hooks import Stage3Hooks, weak_method
+from .runtime.arrival import ArrivalHooks
+from .runtime.hooks import Stage3Hooks, weak_method
 from .units import direct_params, leaf_modules
-from .layout import ChunkLayout, list_parameters, resolve_state
-from .materialize import InitialValues
-from .module_state import (StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad,
+from .runtime.layout import ChunkLayout, list_parameters, resolve_state
+from .runtime.materialize import InitialValues
+from .runtime.module_state import (StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad,
                            sync_generation)
-from .offload import Placement, Transfer
-from .ordering import STEP, waiting
-from .loss_scale import LossScaler
-from .optimizer import ShardedOptimizer, as_factory, default_optimizer
-from .auto_plan import plan_for, profiled_sequence
-from .precision import InputCasts, cast_buffers
-from .reducer import GradientReducer
-from .saved_tensors import SavedTensorHooks
-from .stats import StepMeter, describe_step, model_state_bytes, step_stats
-from .tensor_parallel import PartitionedActivations, TensorParallel, local_grad, local_shape
-from .timeline import MemoryTimeline
+from .runtime.offload import Placement, Transfer
+from .distributed.ordering import STEP, waiting
+from .optim.loss_scale import LossScaler
+from .optim.optimizer import ShardedOptimizer, as_factory, default_optimizer
+from .planning.auto_plan import plan_for, profiled_sequence
+from .runtime.precision import InputCasts, cast_buffers
+from .runtime.reducer import GradientReducer
+from .runtime.saved_tensors import SavedTensorHooks
+from .telemetry.stats import StepMeter, describe_step, model_state_bytes, step_stats
+from .distributed.tensor_parallel import TensorParallel, local_grad, local_shape
+from .runtime.partitioned_activations import PartitionedActivations
+from .telemetry.timeline import MemoryTimeline
 
 log = logging.getLogger("zeroshard")
 
@@ -509,7 +509,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
         values (and buffers as they are), on the CPU."""
-        from .checkpoint import full_state_dict
+        from .state.checkpoint import full_state_dict
         return full_state_dict(self)
 
     def load_weights(self, path, strict: bool = True):
@@ -520,7 +520,7 @@ class Engine:
         and base-model prefix included); with `strict`, anything missing or unexpected, and always a
         shape mismatch, raises WeightsError on every rank before anything is written. Optimizer state
         is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
-        from .pretrained import load_weights
+        from .state.pretrained import load_weights
         if not self._before_load():
             raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
         return load_weights(self, path, strict)
@@ -536,7 +536,7 @@ class Engine:
         LightningModule), its keys without the prefix, with its config. A peft model (LoRA) writes
         its adapters in peft's own format instead, gathering only the chunks that hold them
         (PeftModel.from_pretrained opens the folder). Returns the folder."""
-        from .pretrained import save_pretrained
+        from .state.pretrained import save_pretrained
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
         self.apply_delayed_update()
@@ -554,7 +554,7 @@ class Engine:
         gradients accumulated since the last step would not be in it, so it raises CheckpointError
         then, unless `omit_pending_grads` (the state as of the last step is saved and the gradients
         stay in memory, as Lightning's checkpoints mid-window do). Returns the checkpoint's path."""
-        from .checkpoint import save
+        from .state.checkpoint import save
         if self.tp is not None:  # each TP rank's data-parallel group saves its local shards apart
             root = self.tp.checkpoint_root(root)
         return save(self, root, tag, client_state, keep, omit_pending_grads)
@@ -564,7 +564,7 @@ class Engine:
         checking its files, model and optimizer (CheckpointError before anything changes otherwise).
         With tensor parallelism, a checkpoint of the same TP degree (any data-parallel size, stage
         or chunk size). Returns the saved `client_state` ({} if none)."""
-        from .checkpoint_load import load
+        from .state.checkpoint_load import load
         if self.tp is not None:
             path = self.tp.checkpoint_path(path)
         return load(self, path, tag, load_optimizer)

@@ -1,0 +1,270 @@
+"""Divergence detection: every rank must issue the same collectives in the same order.
+
+Ranks diverge when their modules run differently (data-dependent control flow) or when one rank
+caught an exception mid-step and carried on, a micro-batch or a step behind the others. Unchecked,
+divergence is the worst kind of failure: gloo aborts the process when ranks pair collectives of
+different sizes, waits out its timeout (config collective_timeout_s) when they pair different
+kinds, and silently mixes data when they pair equal-sized ones (a rank a micro-batch behind trains
+out of step). A rank that stops altogether shows as a timeout: CollectiveTimeoutError on every
+rank waiting for it, naming the collective (`wait_for`).
+
+So every collective on the engine's group is named by a *tag* (kind, chunk index, the rank's
+micro-batch count), and the ranks compare tags before it is issued: the same tag everywhere issues
+it; any difference raises DivergedError on every rank, and nothing further is issued. Comparisons
+travel on a small gloo group of their own (the *check group*), where every message has the same
+size, so they complete even when the tags differ.
+
+Which collectives compare what:
+- those a module hook drives (a stage-3 gather, a gradient reduction): their own tag, through the
+  `Sequencer`: the comparison is an async all-reduce, and the collective behind it is issued once
+  that comparison has come back, in the order handed over. The training thread polls at each hook
+  (`progress`) and waits only where it needs a collective's result, as it would anyway
+  (`Ticket.wait`): no barrier per chunk, so ranks may run a few modules apart.
+- a step and a checkpoint: a tag of their own on entry (STEP, CHECKPOINT); the all-gathers of an
+  update: one tag for the batch, once the update is computed (PUBLISH), so a rank whose step raised
+  half-way never pairs its next collectives with them.
+- blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER).
+Untagged collectives first let everything handed over be issued (`drain`), so every rank issues
+one sequence on the group. With CUDA tensors each comparison is made before issuing, on host
+tensors: a host round trip per collective, never a host-device synchronisation.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CollectiveTimeoutError, DivergedError, PeerLostError
+
+TIMEOUT = datetime.timedelta(minutes=10)  # the default of config collective_timeout_s
+_timeout = [TIMEOUT]  # what the groups zeroshard makes wait for the other ranks
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective on a group zeroshard made waits for the other ranks."""
+    return _timeout[0]
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Config collective_timeout_s, for the groups made from now on (collectives.init_process_group)."""
+    _timeout[0] = datetime.timedelta(seconds=seconds)
+
+
+# Kinds of tags. A tag is (micro-batch mod 2^20) << 40 | kind << 32 | chunk index.
+GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH = 1, 2, 3, 4, 5, 6
+_WHAT = {GATHER: "gather chunk {i}", REDUCE: "reduce the gradients of chunk {i}",
+         STEP: "run the optimizer step", CHECKPOINT: "save or load a checkpoint or state dict",
+         OTHER: "issue a blocking collective (a norm, a flag, a checkpoint's objects)",
+         PUBLISH: "all-gather the updated parameters"}
+
+
+def order_tag(kind: int, chunk_index: int = 0, micro_batch: int = 0) -> int:
+    return (micro_batch & 0xFFFFF) << 40 | kind << 32 | chunk_index
+
+
+def describe_tag(tag: int) -> str:
+    n, kind, index = tag >> 40, (tag >> 32) & 0xFF, tag & 0xFFFFFFFF
+    return _WHAT.get(kind, "op {k} on chunk {i}").format(i=index, k=kind) + f" in micro-batch {n}"
+
+
+# How gloo and NCCL say that the other end of a connection is gone.
+_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+         "ncclremoteerror", "socket closed")
+_TIMED_OUT = ("timed out", "timeout caused pair closure")
+
+
+def peer_lost(e: BaseException, what, timeout_s: float) -> PeerLostError | None:
+    """The named error for a collective's failure `e` while waiting to do `what` (a string, or a
+    callable giving one), or None when `e` is not about a peer."""
+    text = str(e).lower()
+    if any(s in text for s in _TIMED_OUT):
+        return CollectiveTimeoutError(
+            f"zeroshard: waited {timeout_s:g} s (config collective_timeout_s) for the other ranks to "
+            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind")
+    if any(s in text for s in _GONE):
+        said = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        said = said.split("] ", 1)[-1].split(". This is typically")[0][:160]  # without gloo's location and advice
+        return PeerLostError(
+            f"zeroshard: another rank is gone (it died, was killed or exited) while this rank waited for the "
+            f"other ranks to {what() if callable(what) else what} ({said})")
+    return None
+
+
+def wait_for(work, what, timeout_s: float) -> None:
+    """work.wait(), a lost or stopped peer raised as PeerLostError (CollectiveTimeoutError for a
+    timeout) naming `what` (a string, or a callable giving one: made only on failure)."""
+    with waiting(what, timeout_s):
+        work.wait()
+
+
+@contextlib.contextmanager
+def waiting(what, timeout_s: float):
+    """Around a collective's issue or a blocking one: a lost or stopped peer raised as
+    PeerLostError naming `what`; anything else as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, PeerLostError):
+            raise
+        named = peer_lost(e, what, timeout_s)
+        if named is None:
+            raise
+        raise named from e
+
+
+class OrderCheck:
+    """Compares tags across the ranks of `group`: each rank contributes (tag, -tag) to a MAX
+    all-reduce, and the ranks agree iff max == min. After a disagreement every call raises."""
+
+    def __init__(self, group, rank: int, where=lambda: "", timeout_s: float = 600.0):
+        self.group = group
+        self.rank = rank
+        self.where = where  # words naming where training is (the optimizer step), for timeouts
+        self.timeout_s = timeout_s
+        self.failure: str | None = None  # the first disagreement's message
+        self.comparisons = 0
+
+    def reset_counters(self) -> None:
+        self.comparisons = 0
+
+    def start(self, tag: int) -> tuple[torch.Tensor, object]:
+        """Start comparing `tag` (async): (buffer, work) for `finish`."""
+        self.raise_if_failed()
+        buf = torch.tensor([tag, -tag], dtype=torch.int64)
+        self.comparisons += 1
+        with waiting(lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}", self.timeout_s):
+            return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def finish(self, tag: int, buf: torch.Tensor, work) -> None:
+        wait_for(work, lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}",
+                 self.timeout_s)
+        hi, lo = int(buf[0]), -int(buf[1])
+        if hi != lo and self.failure is None:
+            # Ranks may have started different numbers of comparisons on this group: an engine
+            # made after this one must not pair its comparisons with the leftovers (has_check_group).
+            _retire_check_groups()
+            self.failure = (
+                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but "
+                f"another rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must "
+                "call the same modules in the same order and run the same micro-batches (a rank that "
+                "caught an exception inside forward or backward and carried on is out of step with "
+                "the others; data-dependent control flow that differs between ranks is not supported).")
+        self.raise_if_failed()
+
+    def agree(self, tag: int) -> None:
+        """Compare `tag` now (blocking)."""
+        self.finish(tag, *self.start(tag))
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise DivergedError(self.failure)
+
+
+class Ticket:
+    """A collective handed to the sequencer: `work` once the ranks agreed on its tag and it was issued."""
+
+    __slots__ = ("sequencer", "work", "issued", "tag")
+
+    def __init__(self, sequencer: "Sequencer", tag: int):
+        self.sequencer = sequencer
+        self.work = None
+        self.issued = False
+        self.tag = tag
+
+    def is_completed(self) -> bool:
+        if not self.issued:
+            self.sequencer.progress()
+        return self.issued and (self.work is None or self.work.is_completed())
+
+    def wait(self) -> bool:
+        if not self.issued:
+            self.sequencer.progress(until=self)
+        if self.work is not None:
+            check = self.sequencer.check
+            wait_for(self.work, lambda: describe_tag(self.tag) + check.where(), check.timeout_s)
+        return True
+
+
+class Sequencer:
+    """Issues collectives once every rank handed over the same tag, in the order handed over."""
+
+    def __init__(self, check: OrderCheck, inline: bool):
+        self.check = check
+        self.inline = inline  # compare before issuing, blocking (CUDA)
+        self._queue: collections.deque = collections.deque()  # (tag, buf, check work, issue, ticket)
+
+    def submit(self, tag: int, issue):
+        """`issue()` starts a collective and returns its work; it runs once the ranks agree on
+        `tag`. Returns a Ticket (or, inline, the work itself): either has wait()/is_completed()."""
+        if self.inline:
+            self.check.agree(tag)
+            return issue()
+        ticket = Ticket(self, tag)
+        self._queue.append((tag, *self.check.start(tag), issue, ticket))
+        self.progress()
+        return ticket
+
+    def progress(self, until: Ticket | None = None) -> None:
+        """Issue, oldest first, the collectives whose comparison has come back; with `until`, wait
+        for comparisons up to that ticket's. DivergedError on a disagreement (nothing after it is
+        issued)."""
+        while self._queue:
+            tag, buf, work, issue, ticket = self._queue[0]
+            if until is None and not work.is_completed():
+                return
+            self._queue.popleft()
+            try:
+                self.check.finish(tag, buf, work)
+            except DivergedError:
+                self._queue.clear()
+                raise
+            ticket.work, ticket.issued = issue(), True
+            if ticket is until:
+                return
+
+    def drain(self) -> None:
+        """Issue everything handed over (waiting for its comparisons)."""
+        if self._queue:
+            self.progress(until=self._queue[-1][-1])
+        self.check.raise_if_failed()
+
+    def agree(self, tag: int) -> None:
+        """After everything handed over is issued: compare `tag` now (blocking)."""
+        self.drain()
+        self.check.agree(tag)
+_check_groups: dict = {}  # process group -> its check group, shared by the engines of the process
+# Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it
+# queued, and after a divergence some are never paired.
+_retired: list = []
+
+
+def _retire_check_groups() -> None:
+    _retired.extend(_check_groups.values())
+    _check_groups.clear()
+
+
+def forget_check_groups() -> None:
+    """Let go of every check group (at interpreter exit: collectives._take_down_groups)."""
+    _check_groups.clear()
+    _retired.clear()
+
+
+def has_check_group(group) -> bool:
+    """Whether this rank holds a usable check group for `group` (none yet, or one left after a
+    divergence, is not)."""
+    return (group if group is not None else dist.group.WORLD) in _check_groups
+
+
+def check_group(group, ranks: list[int] | None, renew: bool):
+    """Collective when `renew` (which every rank must pass alike: some rank lacked one): the gloo
+    group of the same ranks that carries tag comparisons."""
+    key = group if group is not None else dist.group.WORLD
+    if renew:
+        _retire_check_groups()  # older ones belong to destroyed process groups, or diverged
+        # Only the group's own ranks call this (each data-parallel group of a 2D mesh makes its own).
+        _check_groups[key] = dist.new_group(ranks, backend="gloo", timeout=collective_timeout(),
+                                            use_local_synchronization=ranks is not None)
+    return _check_groups[key]

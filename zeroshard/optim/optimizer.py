@@ -1,0 +1,477 @@
+"""The sharded optimizer step: the user's torch optimizer runs over the fp32 master of each chunk's
+owned range, then the updated values are pushed back into the compute parameters.
+
+One step, in order:
+1. master grad = reduced gradient of the owned range, in fp32, times 1/(world * accumulation steps *
+   loss scale). Gradients are always reduced with SUM; this is the only place that divides.
+2. One small all-reduce agrees on which parameters got a gradient on any rank, on fp16 overflow (if
+   any rank's gradient is not finite, every rank skips the step and halves the loss scale) and on
+   the squared global L2 norm for clipping.
+3. Clipping by that norm.
+4. The optimizer step; then the 16-bit copy of the owned range is refreshed from the master, and at
+   stages 1-2 every chunk's all-gather starts, so each rank again holds all parameters once it
+   arrives: step() does not wait for it; the next forward waits per chunk (arrival.ArrivalHooks).
+   Stage 3 gathers lazily when modules run; stage 0 updated everything everywhere.
+
+The optimizer steps master pieces (chunks.py): per parameter, the part of its fp32 master this rank
+owns, so param groups, per-parameter state and step counts are torch's; a parameter that got no
+gradient on any rank since the last step is not stepped. Chunks whose optimizer lives on the host
+(offload.py) step one chunk at a time, in the order the next forward needs them, and each updated
+shard starts its upload (and, at stages 1-2, its all-gather) while the next chunk steps. An
+optimizer that can write the 16-bit copy in the same pass as the update (zeroshard.CPUAdamW) is
+given the copy's destination, saving a pass over the master.
+
+Delayed update (ZeRO-Offload's DPU, config `delay_update_after`): the host step of step t runs in a
+background thread while the device runs step t+1's forward and backward, and lands (is uploaded and
+published) at step t+1's step(). States of one update, in order: IDLE -> IN_FLIGHT (launched with
+its gradients, loss scale and hyperparameters as they were at step()) -> IDLE (landed). Everything
+the thread touches is its own while it runs: the masters and the optimizer's state (stepped through
+a view of the optimizer with its own param groups, so an LR schedule set between steps is not
+raced), one 16-bit staging buffer per chunk, and a side process group for its norm and overflow
+all-reduces. Whatever reads or writes those from the main thread lands the update first. A landed
+update's uploads are waited for by the compute stream at each chunk's first use (its module's forward,
+its stage-3 gather), not all before the forward starts.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import threading
+
+import torch
+
+from ..runtime.chunks import fold_host_grad
+from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
+from .loss_scale import LossScaler
+from ..distributed.ordering import PUBLISH
+from .param_groups import ParamGroups, as_factory
+
+
+def default_optimizer(host: bool):
+    """AdamW, lr 1e-3: torch's, or zeroshard's CPUAdamW when the step runs on the host."""
+    if host:
+        from .cpu_adam import CPUAdamW
+        return lambda params: CPUAdamW(params, lr=1e-3)
+    return lambda params: torch.optim.AdamW(params, lr=1e-3)
+
+
+PROBE_NUMEL = 64
+
+
+def probe_state(make_opt) -> dict:
+    """The state the user's optimizer keeps for one parameter, found by stepping it once on a
+    PROBE_NUMEL-element tensor: what it holds per element, and its names."""
+    p = torch.zeros(PROBE_NUMEL, requires_grad=True)
+    p.grad = torch.zeros(PROBE_NUMEL)
+    opt = make_opt([p])
+    opt.step()
+    return dict(opt.state.get(p, {}))
+
+
+class UpdateState(enum.Enum):
+    """The delayed update's lifecycle (see the module docstring)."""
+
+    IDLE = "idle"
+    IN_FLIGHT = "in flight"
+
+
+class ShardedOptimizer:
+    def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
+                 accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
+                 delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
+                 measure_norm: bool = True):
+        """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
+        list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
+        nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
+        compute the global gradient norm of every step even without clipping (Config.grad_norm)."""
+        self.groups = ParamGroups(optimizer, param_names)
+        self.make_opt = as_factory(optimizer)
+        self.applied_updates = 0
+        self.comm = comm
+        self.stage = stage
+        self.dtype = dtype
+        self.accumulation = accumulation
+        self.clip = clip_grad_norm
+        self.measure_norm = measure_norm or clip_grad_norm is not None
+        self.scaler = scaler
+        self.nonfinite = nonfinite
+        self.optimizer = None
+        self.chunks = []
+        self.last_grad_norm = None
+        self.skipped_steps = 0
+        self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
+        self._staging_turn = 0
+        self._staging_slot_of: dict[int, int] = {}
+        self.boundaries = 0  # step() calls, applied or skipped
+        # delayed update: from step() number `delay_after` on (None: never)
+        self.delay_after = delay_after
+        self.side_comm = side_comm  # its thread's collectives (None at world 1 is fine: no collectives)
+        self.update = UpdateState.IDLE
+        self._thread = None
+        self._outcome = None  # (applied, overflow, grad norm) or the exception the thread raised
+        self._delay_staging: dict[int, list] = {}  # id(chunk) -> [host 16-bit buffer, upload reading it]
+        self._state_bytes_at_launch = None
+
+    def attach(self, chunks) -> None:
+        """(Re)bind the optimizer to the trainable chunks' master pieces, each in the param group of
+        its parameter (param_groups.py). Before the first update the optimizer holds no state (or
+        only what it made when built), so re-packing chunks only swaps the tensors it updates."""
+        self.chunks = [c for c in chunks if c.trainable]
+        pieces = [pc for c in self.chunks for pc in c.pieces]
+        if self.optimizer is None:
+            self.optimizer = self.groups.build(pieces)
+        elif self.applied_updates and self.optimizer.state:
+            raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
+        self.groups.assign(self.optimizer, pieces)
+
+    def adopt(self, chunks, thawed) -> None:
+        """Start stepping the chunks in `thawed`, made trainable since the optimizer was built
+        (parameters unfrozen after initialize): their master pieces join their parameters' param
+        groups with no state, as torch starts a parameter it has not stepped; the others keep
+        theirs. `chunks`: every chunk, in layout order. No delayed update may be in flight."""
+        if self.update is not UpdateState.IDLE:
+            raise RuntimeError("zeroshard: land the delayed update before adopting chunks")
+        self.chunks = [c for c in chunks if c.trainable]
+        self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
+                           new=[pc for c in thawed for pc in c.pieces])
+
+    @torch.no_grad()  # the masters are Parameters: copies from them must not record history
+    def step(self) -> bool:
+        """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it.
+        Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
+        in the background is counted in `skipped_steps` when it lands)."""
+        self.boundaries += 1
+        if self.delay_after is not None and self.boundaries > self.delay_after:
+            self.land()  # if it raises, the engine drops this step's gradients with the rest
+            self._launch()
+            return True
+        applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._grads_seen(),
+                                               self._inv_scale(), self.comm, self.optimizer, self._copy_target,
+                                               self._publish)
+        if applied:
+            self.applied_updates += 1
+            self._gather_updated()
+        self._account(applied, overflow, norm)
+        return applied
+
+    def _account(self, applied: bool, overflow: bool, norm: float | None) -> None:
+        """Record an update's outcome: the loss scale follows overflows, skips are counted, the
+        norm is kept (with clipping) when the update applied. A non-finite gradient with nonfinite
+        'raise' raises NonFiniteError (on every rank: they all saw the same flag); under fp16 only
+        once the loss scale is down to 1, where no lower scale could make the gradient finite."""
+        if overflow and self.nonfinite == "raise" and (self.scaler is None or self.scaler.scale <= 1.0):
+            raise NonFiniteError(f"zeroshard: a gradient is NaN or inf at optimizer step {self.boundaries} "
+                                 "(config nonfinite='raise'); the step was not applied")
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        self.skipped_steps += int(overflow)
+        self.last_grad_norm = norm if applied else None
+
+    def _inv_scale(self) -> float:
+        scale = self.scaler.grads_scale if self.scaler else 1.0
+        return 1.0 / (self.comm.world * self.accumulation * scale)
+
+    def _grads_seen(self) -> list[set[int]]:
+        """Per chunk, the slots that got a gradient on this rank since the last step (a copy)."""
+        return [set(c.slots_with_grad) for c in self.chunks]
+
+    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
+        """One update from the chunks' reduced gradients (compute dtype, summed over ranks and
+        micro-batches) and the slots that got one on this rank (`seen`, per chunk): which
+        parameters got a gradient on any rank, fp16 overflow check, clipping, the step, and
+        `finish(chunk, 16-bit target)` for each stepped chunk. Chunks whose optimizer lives on the
+        host step one at a time, each with its fp32 gradient made just before and dropped just after
+        (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
+        next forward needs them. Returns (applied, overflow, global norm or None); not applied when
+        no parameter got a gradient on any rank (torch's step then changes nothing)."""
+        present, overflow, sq = self._agree_grads(comm, grads, seen, inv)
+        if overflow or not any(any(p) for p in present):
+            self._drop_grads()
+            return False, overflow, None
+        norm = math.sqrt(sq) if self.measure_norm else None
+        coef = None  # the clipping factor, None when the gradient is left as it is
+        if self.clip is not None:
+            coef = self.clip / (norm + 1e-6) if norm + 1e-6 > self.clip else None
+
+        read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
+
+        def load(c, g, has_grad):
+            if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
+                g = torch.zeros(c.master.numel(), dtype=c.grad_dtype, device=c.master.device)
+            lo = c.owned_range[0]
+            stepped = [pc for pc in c.pieces if has_grad[pc.index]]
+            if read_16bit is not None and g.dtype != torch.float32 and g.device.type == c.master.device.type == "cpu":
+                for pc in stepped:
+                    read_16bit[id(pc.param)] = (g[pc.lo - lo:pc.hi - lo].view(pc.param.shape), inv,
+                                                1.0 if coef is None else coef)
+                return
+            g = g.mul_(inv) if g.dtype == torch.float32 else g.float().mul_(inv)
+            if coef is not None:
+                g.mul_(coef)
+            for pc in stepped:
+                pc.param.grad = g[pc.lo - lo:pc.hi - lo].view(pc.param.shape)
+
+        one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
+        together = [i for i, c in enumerate(self.chunks) if not c.placement.optimizer_on_host]
+        if together:
+            for i in together:
+                load(self.chunks[i], grads[i], present[i])
+            chunks = [self.chunks[i] for i in together]
+            for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
+                finish(c, target)
+        for i in one_by_one:
+            c = self.chunks[i]
+            load(c, grads[i], present[i])
+            grads[i] = None
+            (target,) = self._step_chunks(opt, [c], target_of)
+            for pc in c.pieces:
+                pc.param.grad = None
+            finish(c, target)
+        self._drop_grads()
+        return True, False, norm
+
+    def _agree_grads(self, comm, grads, seen, inv: float) -> tuple[list[list[bool]], bool, float]:
+        """One small all-reduce (none at world 1) gives every rank the same answers: per chunk and
+        slot, whether that parameter got a gradient on any rank (one that got none is not stepped:
+        torch skips a parameter whose .grad is None); with fp16 or a nonfinite policy, whether any
+        rank's gradient is not finite (scaling by a finite factor neither makes nor unmakes an inf
+        or NaN, so the unscaled gradients tell); with clipping or measure_norm, the squared L2 norm
+        of the scaled fp32 gradient over every shard, computed chunk by chunk."""
+        flags = [1.0 if i in got else 0.0 for c, got in zip(self.chunks, seen) for i in range(len(c.slots))]
+        finite_check = self.scaler is not None or self.nonfinite != "ignore"
+        if comm.world == 1 and not finite_check and not self.measure_norm:  # nothing to agree on: no device sync
+            return [[i in got for i in range(len(c.slots))] for c, got in zip(self.chunks, seen)], False, 0.0
+        local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
+        if finite_check:
+            for g in grads:
+                if g is not None and not torch.isfinite(g).all():
+                    local[-2] = 1.0
+                    break
+        # Stage 0: every rank holds the whole gradient, so one rank's norm is everyone's.
+        if self.measure_norm and not local[-2] and (self.stage > 0 or comm.rank == 0):
+            for g in grads:
+                if g is not None:
+                    scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)
+                    local[-1] += scaled.pow(2).sum().to(local.device)
+        if comm.world > 1:
+            comm.control_all_reduce(local)
+        got = local.tolist()
+        present, k = [], 0
+        for c in self.chunks:
+            present.append([v > 0 for v in got[k:k + len(c.slots)]])
+            k += len(c.slots)
+        return present, got[-2] > 0, got[-1]
+
+    def _step_chunks(self, opt, chunks, target_of) -> list:
+        """opt.step() over these chunks' master pieces only (all of them: one plain step). Returns
+        each chunk's 16-bit target (see _copy_target), which an optimizer that can (CPUAdamW) has
+        written in the same pass, piece by piece."""
+        fused_copy = getattr(opt, "copy_targets", None)
+        targets = [target_of(c) for c in chunks]
+        for c, target in zip(chunks, targets):
+            if target is not None and fused_copy is not None and target.dtype != torch.float32:
+                lo = c.owned_range[0]
+                for pc in c.pieces:
+                    fused_copy[id(pc.param)] = target[pc.lo - lo:pc.hi - lo].view(pc.param.shape)
+        # The user's optimizer is stepped through its own step (an LR scheduler wraps that to
+        # count calls); the delayed update's view of it through the class's.
+        run = opt.step if opt is self.optimizer else (lambda: type(opt).step(opt))
+        if len(chunks) == len(self.chunks):
+            run()
+            return targets
+        keep = {id(pc.param) for c in chunks for pc in c.pieces}
+        saved = [g["params"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        try:
+            run()
+        finally:
+            for g, params in zip(opt.param_groups, saved):
+                g["params"] = params
+        return targets
+
+    def _copy_target(self, c) -> torch.Tensor | None:
+        """Where the 16-bit copy of an updated master goes when it can be written on the master's
+        side: the shard itself when both live on the same side, a host staging buffer when the
+        master is on the host and the shard on the device, a device buffer when it is the other way
+        round (host chunks step one at a time, so two staging buffers take turns: _staging_for).
+        None in fp32: the master itself is (or is copied into) the shard."""
+        if c.master_is_shard:
+            return None
+        shard_on_host = c.stage == 3 and c.placement.params_on_host
+        if c.placement.optimizer_on_host == shard_on_host:
+            return c.shard
+        if self.dtype == torch.float32:
+            return None
+        if c.placement.optimizer_on_host:
+            return self._staging_for(c)
+        # master on the device, shard on the host: convert on the device, then download
+        return torch.empty(c.master.numel(), dtype=self.dtype, device=c.master.device)
+
+    def _staging_for(self, c) -> torch.Tensor:
+        """A host 16-bit buffer for uploading chunk c's update: a ring of two buffers (ZeRO-R's
+        constant-size buffers), each reused only once the upload that last read it has finished."""
+        slot = self._staging_turn
+        self._staging_turn ^= 1
+        buf, reader = self._staging[slot]
+        if reader is not None:
+            reader.sync()
+        if buf is None:  # zeroed once: elements outside master pieces are uploaded as they are
+            buf = c.transfer.host_empty(max(x.master.numel() for x in self.chunks), self.dtype).zero_()
+        self._staging[slot] = (buf, None)
+        self._staging_slot_of[id(c)] = slot
+        return buf[:c.master.numel()]
+
+    def _publish(self, c, target) -> None:
+        """Bring chunk c's updated master into its compute shard."""
+        if not c.master_is_shard:
+            if target is not None and not self._all_copied(c, self.optimizer):
+                target.copy_(c.master)
+            if target is c.shard:
+                pass
+            elif c.placement.optimizer_on_host:  # master on the host, shard on the device: upload
+                upload = c.transfer.to_device(c.master if target is None else target, out=c.shard)
+                slot = self._staging_slot_of.pop(id(c), None)
+                if slot is not None:
+                    self._staging[slot] = (self._staging[slot][0], upload)
+                upload.wait()
+            else:  # master on the device, shard offloaded to the host: download
+                c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()
+
+    @staticmethod
+    def _all_copied(c, opt) -> bool:
+        """Whether `opt` (CPUAdamW) wrote the 16-bit copy of every master piece of chunk c while
+        stepping it (not a piece that got no gradient, nor without its compiled kernel). Elements
+        outside the pieces (alignment gaps, padding) are never read as parameters."""
+        copied = getattr(opt, "copied", ())
+        return bool(c.pieces) and all(id(pc.param) in copied for pc in c.pieces)
+
+    def _gather_updated(self) -> None:
+        """Stages 1-2: start every updated chunk's all-gather, which gives every rank the whole
+        updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, arrival.ArrivalHooks).
+        Issued only after every rank finished its update (a rank whose step raised half-way
+        never pairs its next collectives with these)."""
+        if self.stage not in (1, 2) or self.comm.world == 1:
+            return
+        self.comm.agree(PUBLISH)
+        for c in self.chunks:
+            c.await_arrival()  # a delayed update's upload into the shard the gather reads
+            c.expect_arrival(self.comm.all_gather(c.full, c.shard, async_op=True))
+
+    # -- the delayed update (DPU) -----------------------------------------------------------------
+    def _launch(self) -> None:
+        """IDLE -> IN_FLIGHT: hand this step's gradients to a background thread that steps the
+        masters and writes the 16-bit result into staging; `land()` publishes it."""
+        invariant(self.update is UpdateState.IDLE, lambda: f"a delayed update launched in {self.update}")
+        self._state_bytes_at_launch = self.state_bytes()
+        for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
+            if id(c) not in self._delay_staging:
+                self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype).zero_(), None]
+        grads = [c.take_host_grad() for c in self.chunks]
+        seen = self._grads_seen()
+        # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
+        hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+                 for g in self.optimizer.param_groups]
+        inv = self._inv_scale()
+        self.update = UpdateState.IN_FLIGHT
+        # Not a daemon: one killed inside a torch kernel at interpreter exit aborts the process;
+        # exit waits for the last update instead.
+        self._thread = threading.Thread(target=self._run_delayed, args=(grads, seen, hyper, inv), daemon=False,
+                                        name="zeroshard-delayed-update")
+        self._thread.start()
+
+    def _run_delayed(self, grads, seen, hyper, inv: float) -> None:
+        """The background thread: everything of one host step but the upload."""
+        try:
+            if self.comm.device.type == "cuda":  # a new thread starts on device 0
+                torch.cuda.set_device(self.comm.device)
+            with torch.no_grad():
+                opt = self.optimizer
+                # A view of the optimizer with its own param groups (hyperparameters as at step());
+                # it shares the state and every other attribute, changed ones are copied back on landing.
+                view = object.__new__(type(opt))
+                view.__dict__.update(opt.__dict__)
+                view.param_groups = [dict(h, params=list(g["params"])) for h, g in zip(hyper, opt.param_groups)]
+                before = dict(view.__dict__)
+
+                def to_staging(c, target):
+                    if not self._all_copied(c, view):
+                        target.copy_(c.master)
+
+                outcome = self._update([fold_host_grad(h, p) for h, p in grads], seen, inv, self.side_comm, view,
+                                       self._delay_target, to_staging)
+                changed = {k: v for k, v in view.__dict__.items()
+                           if k != "param_groups" and before.get(k, view) is not v}
+                self._outcome = (*outcome, changed)
+        except BaseException as e:  # re-raised in the main thread by land()
+            self._outcome = e
+
+    def _delay_target(self, c) -> torch.Tensor:
+        """Chunk c's host staging buffer in the compute dtype, once the upload that last read it is
+        done (called in the background thread: it waits, the main thread does not)."""
+        slot = self._delay_staging[id(c)]
+        if slot[1] is not None:
+            slot[1].sync()
+            slot[1] = None
+        return slot[0]
+
+    def land(self) -> bool | None:
+        """IN_FLIGHT -> IDLE: wait for the delayed update and publish it (upload each chunk's new
+        16-bit shard; at stages 1-2, all-gather it). Returns whether it was applied (False: fp16
+        overflow skipped it), or None when no update was in flight."""
+        if self.update is UpdateState.IDLE:
+            return None
+        self._thread.join()
+        self._thread, outcome, self._outcome = None, self._outcome, None
+        self.update = UpdateState.IDLE
+        if isinstance(outcome, (PeerLostError, DivergedError)):  # named already, for every rank alike
+            raise outcome
+        if isinstance(outcome, BaseException):
+            raise RuntimeError("zeroshard: the delayed optimizer step failed in its background thread: "
+                               f"{type(outcome).__name__}: {outcome}") from outcome
+        applied, overflow, norm, changed = outcome
+        self.optimizer.__dict__.update(changed)
+        self._account(applied, overflow, norm)
+        if not applied:
+            return False
+        self.applied_updates += 1
+        for c in self.chunks:
+            slot = self._delay_staging[id(c)]
+            slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
+        self._gather_updated()
+        return True
+
+    def await_arrivals(self) -> None:
+        """Wait for every chunk still arriving (uploads of a landed update, all-gathers of an update:
+        on the device where it can) before parameters are read outside a forward."""
+        for c in self.chunks:
+            c.await_arrival()
+
+    def zero_grads(self) -> None:
+        """Clear the chunks' gradients (after a step, or a failed one)."""
+        for c in self.chunks:
+            c.zero_grad()
+
+    def _drop_grads(self) -> None:
+        for c in self.chunks:
+            for pc in c.pieces:
+                pc.param.grad = None
+        for name in ("copied", "grad_inputs", "copy_targets"):  # CPUAdamW's per-step side channels
+            if hasattr(self.optimizer, name):
+                getattr(self.optimizer, name).clear()
+
+    def restore_counters(self, skipped_steps: int, boundaries: int) -> None:
+        """A checkpoint's step counters: steps skipped, and step() calls (applied or skipped)."""
+        self.skipped_steps, self.boundaries = skipped_steps, boundaries
+
+    def state_bytes(self) -> dict[bool, int]:
+        """Bytes of the optimizer's own state tensors (moments etc.) on this rank, by whether they
+        are on the host."""
+        if self.update is UpdateState.IN_FLIGHT:  # the thread may be creating state: as at launch
+            return dict(self._state_bytes_at_launch)
+        host_of = {id(pc.param): c.placement.optimizer_on_host for c in self.chunks for pc in c.pieces}
+        out = {False: 0, True: 0}
+        for p, st in self.optimizer.state.items():
+            out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()
+                                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return out

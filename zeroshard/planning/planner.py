@@ -1,0 +1,478 @@
+"""The planner (Elixir section 5): from a profile and the hardware, the chunk size, the number of
+rCache blocks and, chunk by chunk, whether the optimizer states live on the device or on the host.
+
+Vocabulary (formulas in ../shared/notes/elixir-search.md, reworked for this runtime's data path):
+- e_p: bytes per element in the compute dtype; Psi: parameter elements; N: ranks (world).
+- budget C: device bytes left for model states and the cache once the driver reserve, buffers and
+  1.25x the profiled peak activations are set aside, times 0.95 (fragmentation).
+- layout: the chunks one chunk size gives, packed exactly as the engine packs them (trainable first,
+  each group in order of first use, next-fit); waste = padding / padded size.
+- chunk sequence: the chunks that stage 3 gathers, in order, over one step (from the profile trace).
+- loads: gathers over a step with a cache of k blocks evicting by Belady's rule (farthest next use).
+- device-optimizer chunk: its shard, gradient shard, fp32 master and optimizer states on the device
+  (16 bytes per shard element with Adam). A host chunk keeps them all in host memory (stage 3: its
+  16-bit shard too, uploaded on each gather), and steps on the CPU.
+
+The search: (1) chunk size: over candidate sizes, the one that moves the fewest bytes through a cache
+filling the budget (loads x size; within 1% of the least, the smallest size); (2) for each cache size k (all chunks cached
+is ZeRO-2; fewer is ZeRO-3 with an rCache of k blocks), put as many chunks' optimizer states on the
+device as the memory left allows, the chunks that save the most time per byte first; predict the step
+time of each and keep the fastest that fits. Growing the cache and keeping optimizer states on the
+device compete for the same bytes; the comparison is made by predicted time, and reported as seconds
+saved per GiB of either at the chosen point.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from ..runtime.chunks import ALIGN, _round_up, pack
+from .hardware import GIB, Hardware
+from ..runtime.offload import Placement
+from .profiler import Profile
+
+MASTER_BYTES = 4  # fp32 master copy, per element
+FRAGMENTATION = 0.95
+ACTIVATION_MARGIN = 1.25
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Chunks of one capacity (elements), as the engine packs them."""
+
+    capacity: int
+    padded: tuple[int, ...]  # padded elements per chunk
+    trainable: tuple[bool, ...]
+    chunk_of: dict  # parameter index -> chunk index
+    numel: int  # parameter elements
+
+    @property
+    def waste(self) -> float:
+        total = sum(self.padded)
+        return (total - self.numel) / total if total else 0.0
+
+
+def layout(profile: Profile, capacity: int, world: int) -> Layout:
+    cap = max(capacity, max(p.numel for p in profile.params))
+    padded, trainable, chunk_of = [], [], {}
+    for group in (True, False):
+        order = [i for i in profile.first_use if profile.params[i].requires_grad == group]
+        for placed in pack([profile.params[i].numel for i in order], cap):
+            last_i, last_off = placed[-1]
+            for i, _ in placed:
+                chunk_of[order[i]] = len(padded)
+            padded.append(_round_up(last_off + profile.params[order[last_i]].numel, world * ALIGN))
+            trainable.append(group)
+    return Layout(cap, tuple(padded), tuple(trainable), chunk_of, profile.numel)
+
+
+def chunk_sequence(profile: Profile, lay: Layout) -> list[int]:
+    """The chunks gathered over one step, in order, consecutive repeats collapsed (as the cache
+    records its schedule)."""
+    seq: list[int] = []
+    for ev in profile.trace:
+        for c in dict.fromkeys(lay.chunk_of[i] for i in ev.params):
+            if not seq or seq[-1] != c:
+                seq.append(c)
+    return seq
+
+
+def belady_loads(seq: list[int], blocks: int, sizes=None) -> tuple[list[int], int]:
+    """Loads per chunk when `seq` runs through a cache of `blocks` chunks that starts empty and
+    evicts the chunk whose next use is farthest away; and the most elements cached at once (given
+    each chunk's `sizes`, elements)."""
+    n = len(seq)
+    nxt = [math.inf] * n
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        nxt[i] = last.get(seq[i], math.inf)
+        last[seq[i]] = i
+    loads: dict[int, int] = {}
+    cached: dict[int, float] = {}  # chunk -> its next use
+    heap: list[tuple[float, int]] = []  # (-next use, chunk); stale entries skipped
+    held = peak = 0
+    for i, c in enumerate(seq):
+        if c not in cached:
+            loads[c] = loads.get(c, 0) + 1
+            if len(cached) >= blocks:
+                while True:
+                    neg, victim = heapq.heappop(heap)
+                    if cached.get(victim) == -neg:
+                        del cached[victim]
+                        held -= sizes[victim] if sizes else 0
+                        break
+            held += sizes[c] if sizes else 0
+            peak = max(peak, held)
+        cached[c] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], c))
+    # Every chunk has an entry, also chunks after the last one the sequence uses.
+    n_chunks = len(sizes) if sizes else (max(seq) + 1 if seq else 0)
+    return [loads.get(c, 0) for c in range(n_chunks)], peak
+
+
+def min_cache_blocks(profile: Profile, lay: Layout) -> int:
+    """The fewest blocks stage 3 can run with: every chunk of one module, or of one checkpoint
+    region, at once, plus one to prefetch into."""
+    per_event = max((len({lay.chunk_of[i] for i in ev.params}) for ev in profile.trace), default=1)
+    per_region = max((len({lay.chunk_of[i] for i in r.params}) for r in profile.checkpoint_regions), default=1)
+    return max(per_event, per_region) + 1
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to plan for: the hardware of one device and the job around it."""
+
+    hardware: Hardware
+    world: int = 1  # ranks ZeRO shards over (with tensor parallelism: one data-parallel group)
+    accumulation: int = 1  # micro-batches per step (the profile is one micro-batch)
+    optimizer_state_bytes: int = 8  # per element: Adam's m and v in fp32
+    tensor_parallel: int = 1  # ranks per tensor-parallel group (the profile is one rank's part)
+
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks sharing one host's memory and CPU cores: every data-parallel group's."""
+        return max(1, min(self.world * self.tensor_parallel, self.hardware.gpus_per_host))
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step on one rank."""
+
+    compute: float = 0.0
+    exposed_transfers: float = 0.0  # collectives and host<->device copies not hidden behind compute
+    device_step: float = 0.0
+    cpu_step: float = 0.0
+    model_collectives: float = 0.0  # the model's own (tensor parallelism's): they wait on compute, unhidden
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_transfers + self.device_step + self.cpu_step + self.model_collectives
+
+
+@dataclass
+class Plan:
+    """One configuration and its predicted cost. Bytes are per device (rank)."""
+
+    name: str
+    stage: int
+    chunk_size: int  # elements
+    cache_chunks: int | None  # None: every chunk stays gathered (stage 2)
+    optimizer_on_host: tuple[bool, ...]  # per chunk, in packing order
+    waste: float  # padding / padded elements
+    device_model_bytes: int  # parameters, gradients, optimizer states and the rCache on the device
+    host_model_bytes: int
+    transient_bytes: int  # gradient buffers being reduced
+    activation_bytes: int  # 1.25 x profiled peak, per micro-batch
+    other_bytes: int  # driver reserve + buffers
+    device_memory: int
+    host_memory: int  # bytes of host memory this rank may use (the host's, shared by its ranks)
+    time: StepTime
+    flops: float  # per step and rank
+    loads: int = 0  # chunk gathers per step
+    notes: list[str] = field(default_factory=list)
+    reserve: int = 0  # the driver's share of other_bytes: outside the caching allocator, not fragmented
+
+    def placement(self, index: int, stage: int) -> Placement:
+        """Where chunk `index`'s optimizer (and at stage 3 its shard) lives; a chunk the plan did
+        not foresee (after a re-pack) keeps everything on the device."""
+        on_host = index < len(self.optimizer_on_host) and self.optimizer_on_host[index]
+        return Placement(optimizer_on_host=on_host, params_on_host=on_host and stage == 3)
+
+    @property
+    def device_bytes(self) -> int:
+        """Everything predicted on the device at the peak."""
+        return self.device_model_bytes + self.transient_bytes + self.activation_bytes + self.other_bytes
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_bytes - self.reserve <= FRAGMENTATION * (self.device_memory - self.reserve)
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_model_bytes <= FRAGMENTATION * self.host_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def offloaded_chunks(self) -> int:
+        return sum(self.optimizer_on_host)
+
+    @property
+    def tflops(self) -> float:
+        return self.flops / self.time.total / 1e12 if self.time.total > 0 else 0.0
+
+    def config(self) -> dict:
+        """The zeroshard config keys this plan sets (placement per chunk is applied by the engine)."""
+        return {"stage": self.stage, "chunk_size": self.chunk_size, "cache_chunks": self.cache_chunks}
+
+    def describe(self) -> str:
+        t = self.time
+        cache = "all chunks gathered" if self.cache_chunks is None else f"rCache of {self.cache_chunks} chunks"
+        return (f"{self.name}: stage {self.stage}, chunk {self.chunk_size / 1e6:.2f} M elements "
+                f"({len(self.optimizer_on_host)} chunks, {self.waste:.1%} padding), {cache}, optimizer "
+                f"states on the host for {self.offloaded_chunks}/{len(self.optimizer_on_host)} chunks; device "
+                f"{fmt_bytes(self.device_bytes)} of {fmt_bytes(self.device_memory)} "
+                f"(model states + cache {fmt_bytes(self.device_model_bytes)}, activations "
+                f"{fmt_bytes(self.activation_bytes)}); step {t.total * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + "
+                f"exposed transfers {t.exposed_transfers * 1e3:.1f} + device step {t.device_step * 1e3:.1f} + "
+                f"CPU step {t.cpu_step * 1e3:.1f}"
+                + (f" + tensor-parallel collectives {t.model_collectives * 1e3:.1f}" if t.model_collectives else ""))
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+class Planner:
+    """Searches configurations for one profile on one target. `plan()` gives the fastest that fits;
+    `baselines()` the four classic ZeRO configurations on the same chunks, for comparison."""
+
+    def __init__(self, profile: Profile, target: Target, chunk_size: int | None = None):
+        self.profile = profile
+        self.target = target
+        hw = target.hardware
+        self.e_p = profile.element_size
+        self.activation_bytes = int(ACTIVATION_MARGIN * profile.peak_activation_bytes)
+        self.other_bytes = hw.reserve + profile.buffer_bytes
+        # C, bytes: the allocator's share of the device (fragmentation applies to it, not to the reserve)
+        self.budget = FRAGMENTATION * (hw.device_memory - hw.reserve) - self.activation_bytes - profile.buffer_bytes
+        staging = profile.largest_module_numel + profile.tied_numel
+        self.cache_budget = max(0, int(self.budget / self.e_p) - staging)  # E, elements
+        self.search_seconds = 0.0
+        if chunk_size is None:
+            import time
+            t0 = time.perf_counter()
+            chunk_size, self.candidates = self.search_chunk_size()
+            self.search_seconds = time.perf_counter() - t0
+        else:
+            self.candidates = []
+        self.layout = layout(profile, chunk_size, target.world)
+        self.sequence = chunk_sequence(profile, self.layout)
+        self.k_min = min_cache_blocks(profile, self.layout)
+        self._loads: dict[int, list[int]] = {}
+
+    # -- chunk size -------------------------------------------------------------------------------
+    def search_chunk_size(self, candidates: int = 96) -> tuple[int, list[tuple[int, int, float]]]:
+        """The capacity (elements) that moves the fewest bytes through a cache filling the budget.
+        Returns it and every candidate as (capacity, bytes moved in elements, waste)."""
+        p, world = self.profile, self.target.world
+        smallest = _round_up(max(x.numel for x in p.params), world * ALIGN)
+        sizes = sorted({_round_up(int(smallest * (1 + j / 32)), world * ALIGN) for j in range(candidates)})
+        results = []
+        for size in _progress(sizes, "zeroshard: chunk sizes"):
+            lay = layout(p, size, world)
+            seq = chunk_sequence(p, lay)
+            blocks = self.cache_budget // max(lay.padded) - 2  # one block to prefetch into, one to reduce
+            if blocks < min_cache_blocks(p, lay):
+                blocks = min_cache_blocks(p, lay)  # does not fit: still rank the sizes by traffic
+                over = True
+            else:
+                over = False
+            moved = sum(n * lay.padded[c] for c, n in enumerate(belady_loads(seq, blocks)[0]))
+            results.append((size, moved, lay.waste, over))
+        fitting = [r for r in results if not r[3]] or results
+        least = min(r[1] for r in fitting)
+        # Within 1% of the least traffic (often a tie: every size fits the whole model in the cache),
+        # the smallest size: finer chunks let the planner place optimizer states more finely.
+        best = min((r for r in fitting if r[1] <= 1.01 * least), key=lambda r: (r[0], r[2]))
+        return best[0], [r[:3] for r in results]
+
+    # -- one configuration ---------------------------------------------------------------------------
+    def loads(self, blocks: int) -> list[int]:
+        return self._simulate(blocks)[0]
+
+    def _simulate(self, blocks: int) -> tuple[list[int], int]:
+        """(loads per chunk, most elements cached at once) with a cache of `blocks` chunks."""
+        if blocks not in self._loads:
+            self._loads[blocks] = belady_loads(self.sequence, blocks, self.layout.padded)
+        return self._loads[blocks]
+
+    def evaluate(self, name: str, stage: int, blocks: int | None, on_host: list[bool]) -> Plan:
+        """Predicted memory and time of one configuration. `blocks`: rCache blocks (stage 3)."""
+        lay, t, hw, e_p = self.layout, self.target, self.target.hardware, self.e_p
+        n = t.world
+        dev = host = 0
+        moved_params = 0.0  # elements all-gathered per step
+        uploads = grads_down = steps_up = 0.0  # bytes per step
+        host_el = dev_el = 0
+        loads = self.loads(blocks) if stage == 3 else [1] * len(lay.padded)
+        for c, size in enumerate(lay.padded):
+            s = size // n
+            off = on_host[c] and lay.trainable[c]
+            if stage == 2:
+                dev += size * e_p
+            elif not off:
+                dev += s * e_p
+            if lay.trainable[c]:
+                states = self._optimizer_side_bytes(stage, s, off)
+                if off:
+                    host += states + (s * e_p if stage == 3 else 0)
+                    host_el += s
+                    grads_down += t.accumulation * s * e_p
+                    if stage == 3:
+                        uploads += loads[c] * s * e_p  # the shard goes up on each gather
+                    else:
+                        steps_up += s * e_p  # the updated shard goes up after the step
+                else:
+                    dev += states
+                    dev_el += s
+            moved_params += loads[c] * size
+        largest = sorted(lay.padded, reverse=True)
+        cache = self._simulate(blocks)[1] * e_p if stage == 3 else 0
+        transient = 2 * largest[0] * e_p  # full gradients of chunks whose reduce-scatter is in flight
+        frac = (n - 1) / n
+        grad_bytes = sum(lay.padded[c] for c in range(len(lay.padded)) if lay.trainable[c]) * e_p
+        gather_bytes = moved_params * e_p * t.accumulation if stage == 3 else 0.0
+        comm = (gather_bytes + grad_bytes * t.accumulation) * frac / hw.link
+        compute = self.profile.flops * t.accumulation / hw.device_flops
+        fb_transfers = comm + uploads * t.accumulation / hw.h2d + grads_down / hw.d2h
+        first_gather = largest[0] * e_p * frac / hw.link + (largest[0] // n * e_p / hw.h2d if uploads else 0)
+        exposed = max(0.0, fb_transfers - compute) + (first_gather if stage == 3 else 0.0)
+        # After the step: host chunks go up one by one while the next one steps (the last one's
+        # upload is exposed); stage 2 then all-gathers the updated parameters.
+        host_chunks = [c for c in range(len(lay.padded)) if on_host[c] and lay.trainable[c]]
+        post = max((lay.padded[c] // n * e_p for c in host_chunks), default=0) / hw.h2d if stage == 2 else 0.0
+        if stage == 2:
+            post += grad_bytes * frac / hw.link
+        time = StepTime(compute=compute, exposed_transfers=exposed + post, device_step=dev_el / hw.device_adam,
+                        cpu_step=host_el * t.ranks_per_host / hw.host_adam,
+                        model_collectives=self.profile.collective_bytes * t.accumulation / hw.link)
+        return Plan(name=name, stage=stage, chunk_size=lay.capacity, cache_chunks=blocks if stage == 3 else None,
+                    optimizer_on_host=tuple(bool(x) and lay.trainable[i] for i, x in enumerate(on_host)),
+                    waste=lay.waste, device_model_bytes=int(dev + cache), host_model_bytes=int(host),
+                    transient_bytes=int(transient), activation_bytes=self.activation_bytes,
+                    other_bytes=self.other_bytes, device_memory=hw.device_memory,
+                    host_memory=hw.host_memory // t.ranks_per_host if hw.host_memory else 1 << 62, time=time,
+                    flops=self.profile.flops * t.accumulation, loads=sum(loads) if stage == 3 else 0,
+                    reserve=hw.reserve)
+
+    # -- search -----------------------------------------------------------------------------------------
+    def _gain_per_byte(self, stage: int, blocks: int | None, c: int) -> float:
+        """Seconds saved per device byte by keeping chunk c's optimizer states on the device."""
+        t, hw, e_p = self.target, self.target.hardware, self.e_p
+        s = self.layout.padded[c] // t.world
+        saved = s * t.ranks_per_host / hw.host_adam - s / hw.device_adam + t.accumulation * s * e_p / hw.d2h
+        saved += (self.loads(blocks)[c] * t.accumulation if stage == 3 else 1) * s * e_p / hw.h2d
+        cost = self._optimizer_side_bytes(stage, s, False) + (s * e_p if stage == 3 else 0)
+        return saved / cost
+
+    def _optimizer_side_bytes(self, stage: int, shard: int, on_host: bool) -> int:
+        """Bytes a trainable chunk keeps beside its optimizer: the gradient shard, the fp32 master
+        (none in fp32 when it can be the compute shard itself) and the optimizer states."""
+        e_p = self.e_p
+        master = 0 if e_p == 4 and (stage == 3 or not on_host) else MASTER_BYTES * shard
+        return shard * e_p + master + self.target.optimizer_state_bytes * shard
+
+    def _best_placement(self, name: str, stage: int, blocks: int | None, allow_offload: bool) -> Plan:
+        """With this cache, keep as many chunks' optimizer states on the device as fit, those that
+        save the most time per byte first (device bytes grow with each, so bisect the count)."""
+        n_chunks = len(self.layout.padded)
+        everything = self.evaluate(name, stage, blocks, [False] * n_chunks)
+        if everything.fits_device or not allow_offload:
+            return everything
+        order = sorted((c for c in range(n_chunks) if self.layout.trainable[c]),
+                       key=lambda c: -self._gain_per_byte(stage, blocks, c))
+
+        def with_first(m: int) -> Plan:
+            on_host = [True] * n_chunks
+            for c in order[:m]:
+                on_host[c] = False
+            return self.evaluate(name, stage, blocks, on_host)
+
+        # Device bytes grow and host bytes shrink with m: the most chunks that fit the device is
+        # also the placement that needs the least host memory.
+        lo, hi = 0, len(order)
+        best = with_first(0)
+        if not best.fits_device:
+            return best
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            trial = with_first(mid)
+            if trial.fits_device:
+                lo, best = mid, trial
+            else:
+                hi = mid - 1
+        return best
+
+    def plan(self, stage: int | str = "auto", offload: bool = True) -> Plan:
+        """The fastest configuration that fits (stage 2 or 3, or the one given), or, if none fits,
+        the one that comes closest (check `.fits`)."""
+        stages = (2, 3) if stage == "auto" else (stage,)
+        n_chunks = len(self.layout.padded)
+        options = []
+        if 2 in stages:
+            options.append(self._best_placement("plan", 2, None, offload))
+        if 3 in stages:
+            for k in _progress(range(self.k_min, max(self.k_min, n_chunks - 1) + 1), "zeroshard: cache sizes"):
+                options.append(self._best_placement("plan", 3, k, offload))
+        fitting = [p for p in options if p.fits]
+        if fitting:
+            best = min(fitting, key=lambda p: (p.time.total, p.device_bytes))
+        else:
+            best = min(options, key=lambda p: (not p.fits_host, p.device_bytes))
+        best.notes.extend(self._tradeoff(best))
+        return best
+
+    def baselines(self) -> list[Plan]:
+        n = len(self.layout.padded)
+        k = self.k_min
+        return [self.evaluate("ZeRO-2", 2, None, [False] * n), self.evaluate("ZeRO-3", 3, k, [False] * n),
+                self.evaluate("ZeRO-2 offload", 2, None, [True] * n),
+                self.evaluate("ZeRO-3 offload", 3, k, [True] * n)]
+
+    def _tradeoff(self, p: Plan) -> list[str]:
+        """Seconds saved per GiB: one more cache block versus one more chunk's optimizer on device."""
+        notes = []
+        if p.stage == 3 and p.cache_chunks is not None and p.cache_chunks < len(self.layout.padded):
+            bigger = self.evaluate("", 3, p.cache_chunks + 1, list(p.optimizer_on_host))
+            extra = bigger.device_model_bytes - p.device_model_bytes
+            if extra > 0:
+                notes.append(f"one more cache block: {(p.time.total - bigger.time.total) / extra * GIB * 1e3:.2f} "
+                             "ms saved per GiB")
+        if any(p.optimizer_on_host):
+            c = p.optimizer_on_host.index(True)
+            moved = list(p.optimizer_on_host)
+            moved[c] = False
+            trial = self.evaluate("", p.stage, p.cache_chunks, moved)
+            extra = trial.device_model_bytes - p.device_model_bytes
+            if extra > 0:
+                notes.append(f"one more chunk's optimizer on the device: "
+                             f"{(p.time.total - trial.time.total) / extra * GIB * 1e3:.2f} ms saved per GiB")
+        return notes
+
+    def why_nothing_fits(self, best: Plan) -> str:
+        """What does not fit, and what would."""
+        hw = self.target.hardware
+        if best.fits_device and not best.fits_host:
+            return (f"nothing fits: offloading enough to fit the device ({best.describe()}) needs "
+                    f"{fmt_bytes(best.host_model_bytes)} of host memory per rank, and a rank has "
+                    f"{fmt_bytes(best.host_memory)} ({self.target.ranks_per_host} rank(s) per host): more hosts, "
+                    "or devices with more memory.")
+        need = best.reserve + (best.device_bytes - best.reserve) / FRAGMENTATION
+        lines = [f"nothing fits in {fmt_bytes(hw.device_memory)} per device: the smallest configuration "
+                 f"({best.describe()}) needs {fmt_bytes(need)}."]
+        if self.other_bytes > 0.25 * hw.device_memory:
+            lines.append(f"The driver reserve and buffers alone take {fmt_bytes(self.other_bytes)}.")
+        if self.activation_bytes > 0.5 * (best.device_bytes - best.reserve):
+            lines.append(f"Activations take {fmt_bytes(self.activation_bytes)} (1.25 x the profiled peak): "
+                         "use a smaller micro-batch (activations scale with it)"
+                         + ("" if self.profile.checkpoint_regions else ", or enable activation checkpointing")
+                         + ".")
+        states = best.device_model_bytes - (best.cache_chunks or 0) * max(self.layout.padded) * self.e_p
+        if states > 0:
+            lines.append(f"Sharded model states take {fmt_bytes(states)} per device at {self.target.world} "
+                         "device(s): more devices divide them.")
+        return " ".join(lines)
+
+
+def _progress(items, desc: str):
+    """A progress bar over `items` on a terminal (tqdm hides it elsewhere), for large models' plans."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, leave=False, disable=None, mininterval=0.5)

@@ -1,0 +1,491 @@
+"""The pre-runtime profiler (Elixir section 4): one training step of the model run on the meta device,
+so a model of any size is profiled in seconds without memory and without its weights.
+
+What one profile records (vocabulary used by the planner):
+- trace: every module call that uses parameters, in order: 'forward' (a module's forward),
+  'backward' (its backward is about to run: the moment stage 3 gathers its chunks again) and
+  'recompute' (its forward re-run in backward by activation checkpointing). Each event names the
+  module's direct parameters, exactly the ones stage 3 gathers for it.
+- first use: parameters in order of first use in forward (unused ones last): the chunk packing order.
+- checkpoint region: a run of recompute events; its parameters are needed again, together, while the
+  region's forward is re-run and then its backward.
+- saved bytes: peak bytes of tensors autograd saved for backward (parameters excluded).
+- peak activation bytes: peak bytes of every tensor created during the step that is alive at once
+  (saved tensors, checkpoints, gradients of activations and temporaries), parameters and the inputs
+  excluded. Measured by following each new storage from the operator that made it until it is freed.
+- flops: forward + backward (+ recompute) floating-point operations of the matmul-like operators.
+
+The model may live anywhere (CPU, GPU, meta): the profile swaps meta copies of its parameters and buffers (in the
+compute dtype) into the modules for the step, and puts the real ones back after, untouched.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from ..distributed.tensor_parallel import as_dtensor, local, local_shape
+from ..units import direct_params, leaf_modules, unit_members
+
+log = logging.getLogger("zeroshard")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str  # first fully qualified name
+    numel: int  # elements
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Event:
+    phase: str  # 'forward' | 'backward' | 'recompute'
+    module: str
+    params: tuple[int, ...]  # indices into Profile.params, in the module's registration order
+
+
+@dataclass(frozen=True)
+class CheckpointRegion:
+    modules: tuple[str, ...]
+    params: tuple[int, ...]
+    param_bytes: int  # bytes of these parameters in the compute dtype
+
+
+@dataclass
+class Profile:
+    """One profiled training step. Byte figures are bytes; `*_numel` figures are elements."""
+
+    params: list[ParamInfo]
+    dtype: torch.dtype
+    trace: list[Event]
+    first_use: list[int]
+    checkpoint_regions: list[CheckpointRegion]
+    saved_bytes: int
+    peak_activation_bytes: int
+    buffer_bytes: int
+    flops: int
+    seconds: float
+    tied_numel: int = 0  # elements of parameters registered under more than one name
+    largest_module_numel: int = 0  # most elements of direct parameters of any one module
+    peak_phase: str = field(default="")  # 'forward' or 'backward': where the activation peak is
+    collectives: int = 0  # the model's own collectives over the step (tensor parallelism's)
+    collective_bytes: int = 0  # bytes each rank moves in them (ring accounting)
+
+    @property
+    def element_size(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def summary(self) -> str:
+        gib = 2**30
+        return (f"{len(self.params)} parameters, {self.numel / 1e9:.3f} B elements; trace of "
+                f"{len(self.trace)} module events; {len(self.checkpoint_regions)} checkpoint regions; "
+                f"saved for backward {self.saved_bytes / gib:.3f} GiB, peak activations "
+                f"{self.peak_activation_bytes / gib:.3f} GiB ({self.peak_phase}); "
+                f"{self.flops / 1e12:.2f} TFLOP per step"
+                + (f"; {self.collectives} model collectives moving {self.collective_bytes / gib:.3f} GiB"
+                   if self.collectives else "")
+                + f"; profiled in {self.seconds:.2f} s")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Follows every storage created by an operator until it is freed; keeps the peak of their sum.
+    Also counts matmul-like flops with torch's flop formulas."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known = known  # storages that existed before the step (parameters, inputs, buffers)
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+        self.peak_phase = ""
+        self.phase = "forward"
+        self.flops = 0
+        self.assumed = 0  # values of meta tensors read by the model (see _assumed_value)
+        self.collectives = 0  # the model's own collectives (tensor parallelism's), and
+        self.collective_bytes = 0.0  # the bytes each rank moves in them (ring accounting)
+
+    def _assumed_value(self, t: torch.Tensor):
+        """A meta tensor has no values, so a model that reads one (`.item()`, `if mask.all():`) gets
+        an assumed one: True for a boolean (such checks usually guard the common case: no padding,
+        no packing), else 0. Said once, since the trace past that point may differ from training.
+        Tensors on a real device (the model's own `torch.rand([])`, say) are read as they are."""
+        value = True if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        if not self.assumed:
+            log.warning("the model reads a tensor's value (%s); on the meta device "
+                        "there is none, assuming %r. If a branch depends on it, the profile may differ "
+                        "from training; the runtime then falls back (and says so).", t.dtype, value)
+        self.assumed += 1
+        return value
+
+    def _count_collective(self, op, args) -> None:
+        """A collective of the functional API (what DTensor issues): a ring all-reduce of M bytes
+        moves 2M(n-1)/n per rank; an all-gather (M: its output) or reduce-scatter (M: its input) M(n-1)/n.
+        On meta tensors nothing is sent: the meta kernels only shape the outputs."""
+        c10d = torch.ops._c10d_functional
+        factors = {c10d.all_reduce: 2.0, c10d.all_gather_into_tensor: 1.0, c10d.reduce_scatter_tensor: 1.0}
+        if op not in factors:
+            return
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        n = _resolve_process_group(args[-1]).size()
+        size = args[0].numel() * args[0].element_size() * (n if op is c10d.all_gather_into_tensor else 1)
+        self.collectives += 1
+        self.collective_bytes += factors[op] * size * (n - 1) / n
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # Only a meta tensor lacks a value: a real one (`torch.rand([]) < p`, as in LayerDrop) is read
+            # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
+            return self._assumed_value(args[0])
+        out = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional":
+            self._count_collective(func._overloadpacket, args)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:  # per rank: a tensor-parallel operator's flops are those of its shards
+            self.flops += count(*tree_map(local, args), **tree_map(local, kwargs), out_val=tree_map(local, out))
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = local(t).untyped_storage()
+            key = st._cdata
+            if key in self.live or key in self.known:
+                continue
+            n = st.nbytes()
+            self.live[key] = n
+            self.current += n
+            weakref.finalize(st, self._free, key)
+        if self.current > self.peak:
+            self.peak, self.peak_phase = self.current, self.phase
+        return out
+
+
+class _SavedBytes:
+    """Saved-tensor accounting: the peak bytes of distinct storages autograd holds for backward,
+    storages in `known` (parameters) excluded."""
+
+    def __init__(self, known: set[int]):
+        self.known = known
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = local(t).untyped_storage()
+        key = st._cdata
+        if key not in self.known and key not in self.live:
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(st, self._drop, key)
+        return t
+
+
+def _split_inputs(example_inputs):
+    if isinstance(example_inputs, dict):
+        return (), example_inputs
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    return (example_inputs,), {}
+
+
+def measure(model: nn.Module, example_inputs, *, loss_fn=None) -> dict[str, int]:
+    """The same figures as `profile` measured on real tensors: run one real training step of
+    `model` where it lives (inputs are moved there) and return {'saved_bytes', 'peak_activation_bytes'}
+    (and, on CUDA, 'cuda_peak_bytes': torch.cuda.max_memory_allocated over the step, minus what was
+    allocated before it). Gradients are taken off the parameters as they arrive, as the engine does.
+    For checking the profiler; it needs the memory the step needs."""
+    device = next(model.parameters()).device
+    args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
+                            _split_inputs(example_inputs))
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    known = params | {b.untyped_storage()._cdata for b in model.buffers()}
+    known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+             for p in model.parameters() if p.requires_grad]
+    saved, live = _SavedBytes(params), _LiveBytes(known)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live:
+            loss = (loss_fn or default_loss)(model(*args, **kwargs))
+            live.phase = "backward"
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {"saved_bytes": saved.peak, "peak_activation_bytes": live.peak}
+    if cuda:
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    return out
+
+
+class _AttentionAsOnDevice:
+    """scaled_dot_product_attention picks its kernel by device; on meta it always decomposes into
+    the math kernel, which saves the whole attention matrix (seq^2 per head) where flash attention
+    saves one row statistic. So ask the device that will train which kernel it would use (on empty
+    tensors of the same shapes with batch 1: CPU pages are never touched) and call that kernel on
+    the meta tensors. For a GPU not present here: flash attention in 16-bit without a mask, else
+    memory-efficient attention.
+
+    For the duration of the profile, torch.nn.functional.scaled_dot_product_attention is replaced
+    (meta tensors only; anything else goes to the original). A torch function mode would be cleaner
+    but does not reach the forwards that activation checkpointing re-runs inside backward, and a
+    recomputation that picks another kernel than its forward is an error. Code that bound the
+    function at import time (`from torch.nn.functional import scaled_dot_product_attention`) is not
+    reached either and is profiled with the math kernel: an overestimate, never an underestimate."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.original = None
+
+    def __enter__(self):
+        self.original = F.scaled_dot_product_attention
+
+        def sdpa(*args, **kwargs):
+            out = self._sdpa(*args, **kwargs)
+            return self.original(*args, **kwargs) if out is None else out
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self.original
+
+    def _choice(self, q, k, v, mask, dropout_p, is_causal, scale) -> int:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            return 1 if q.dtype in (torch.float16, torch.bfloat16) and mask is None else 2
+
+        def real(t):
+            if t is None:
+                return None
+            shape = (1,) + tuple(t.shape[1:]) if t.dim() > 0 else ()
+            return torch.empty(shape, dtype=t.dtype, device=self.device).requires_grad_(t.requires_grad)
+
+        return torch._fused_sdp_choice(real(q), real(k), real(v), real(mask), dropout_p, is_causal, scale=scale)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if query.device.type != "meta" or enable_gqa:
+            return None
+        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        aten = torch.ops.aten
+        if choice == 1 and self.device.type == "cpu":
+            return aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        if choice == 1 and attn_mask is None:
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                            scale=scale)[0]
+        if choice == 2:
+            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
+                                                                dropout_p, is_causal, scale=scale)[0]
+        return None  # math: the meta decomposition is that kernel
+
+
+def _meta_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A meta copy of parameter `p` in `dtype`; a DTensor's copy is a DTensor over the same mesh
+    whose local shard is on the meta device, so tensor-parallel modules run as they will."""
+    if isinstance(p, DTensor):
+        return as_dtensor(p, torch.empty(local_shape(p), dtype=dtype, device="meta"))
+    return torch.empty(p.shape, dtype=dtype, device="meta")
+
+
+def _to_meta(x, dtype):
+    if isinstance(x, torch.Tensor):
+        d = dtype if x.is_floating_point() else x.dtype
+        return torch.empty(x.shape, dtype=d, device="meta")
+    return x
+
+
+def default_loss(out) -> torch.Tensor:
+    """A scalar to run backward from: `out.loss` when the model returns one (transformers models
+    given labels), `out` itself when it is a scalar, else the sum of the first floating output."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    flat, _ = tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            return t.float().sum()
+    raise ValueError("zeroshard.profile: the model's output has no floating tensor that requires grad; "
+                     "pass loss_fn=... to say how to get the loss")
+
+
+def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torch.float32,
+            loss_fn=None, device: torch.device | str | None = None, leaves=None) -> Profile:
+    """Profile one training step (forward + backward) of `model` on the meta device.
+
+    example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments, as the
+        model is called in training (include labels if the model computes its loss from them). Only
+        their shapes and dtypes are used; floating ones are cast to `dtype` as the engine does.
+    dtype: the compute dtype (torch.float32/bfloat16/float16 or 'fp32'/'bf16'/'fp16').
+    loss_fn: maps the model's output to the scalar loss (default: see `default_loss`).
+    device: the device that will train ('cuda' or 'cpu'; default: CUDA when present): operators
+        that choose their kernel by device (attention) choose as they will there.
+    leaves: the modules stage 3 gathers with their whole subtree (units.py; default: the
+        mixture-of-experts blocks config leaf_modules 'auto' finds): the trace names them, not
+        their submodules.
+    """
+    if isinstance(dtype, str):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    t0 = time.perf_counter()
+    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = tree_map(lambda x: _to_meta(x, dtype), (args, kwargs))
+
+    # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' slots
+    # for the whole step (backward re-runs checkpointed forwards); tied parameters share one copy.
+    infos, index, meta_of = [], {}, {}
+    for name, p in model.named_parameters():
+        d = dtype if p.is_floating_point() else p.dtype
+        meta_of[id(p)] = nn.Parameter(_meta_like(p, d), requires_grad=p.requires_grad)
+        index[id(meta_of[id(p)])] = len(infos)
+        shape = local_shape(p)  # what this rank stores: a tensor-parallel parameter's local shard
+        infos.append(ParamInfo(name, math.prod(shape), tuple(shape), p.requires_grad))
+    swaps, buffer_bytes, tied_numel = [], 0, 0
+    for m in model.modules():
+        for slots, is_param in ((m._parameters, True), (m._buffers, False)):
+            for n, t in slots.items():
+                if t is None:
+                    continue
+                if is_param:
+                    tied_numel += local(t).numel()
+                    new = meta_of[id(t)]
+                else:
+                    buffer_bytes += t.numel() * t.element_size()
+                    new = _to_meta(t, t.dtype)
+                swaps.append((slots, n, t, new))
+    tied_numel -= sum(i.numel for i in infos)
+    known = {local(new).untyped_storage()._cdata for *_, new in swaps}
+    known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+
+    trace: list[Event] = []
+    first_seen: dict[int, None] = {}
+    held: dict[str, set[int]] = {}  # module -> trainable params whose gradient is pending (as stage 3)
+    owners: dict[int, list[str]] = {}
+    state = {"backward": False}
+    units = unit_members(model, leaf_modules(model, "auto") if leaves is None else list(leaves))
+    direct = {m: mname for mname, m in model.named_modules() if units.get(m)}  # units with parameters
+    unit_index = {m: tuple(dict.fromkeys(index[id(meta_of[id(p)])] for member in units[m]
+                                         for _, p in direct_params(member))) for m in direct}
+    largest = max((sum(infos[i].numel for i in ps) for ps in unit_index.values()), default=0)
+
+    def module_params(m) -> tuple[int, ...]:
+        return unit_index[m]
+
+    def pre_forward(m, _args):
+        ps = module_params(m)
+        trace.append(Event("recompute" if state["backward"] else "forward", direct[m], ps))
+        if not state["backward"]:
+            for i in ps:
+                first_seen.setdefault(i, None)
+
+    def pre_backward(mname, ps):
+        state["backward"] = True
+        if mname in held:
+            return
+        held[mname] = {i for i in ps if infos[i].requires_grad}
+        for i in ps:
+            owners.setdefault(i, [])
+            if mname not in owners[i]:
+                owners[i].append(mname)
+        trace.append(Event("backward", mname, ps))
+
+    def post_forward(m, _args, out):
+        if torch.is_grad_enabled():
+            ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if ts:
+                register_multi_grad_hook(ts, lambda g, n=direct[m], ps=module_params(m): pre_backward(n, ps),
+                                         mode="any")
+
+    def grad_arrived(p):
+        i = index[id(p)]
+        p.grad = None  # the engine moves gradients into chunks: they do not stay on the parameter
+        for mname in owners.get(i, ()):
+            pending = held.get(mname)
+            if pending is not None:
+                pending.discard(i)
+                if not pending:
+                    del held[mname]
+
+    handles = []
+    for m in direct:
+        handles.append(m.register_forward_pre_hook(pre_forward))
+        handles.append(m.register_forward_hook(post_forward))
+    for p in meta_of.values():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(grad_arrived))
+
+    saved = _SavedBytes(known)
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    live = _LiveBytes(known)
+    was_training = model.training
+    model.train()
+    for slots, n, _, new in swaps:
+        slots[n] = new
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live, \
+                _AttentionAsOnDevice(torch.device(device)):
+            out = model(*args, **kwargs)
+            loss = (loss_fn or default_loss)(out)
+            del out
+            live.phase = "backward"
+            state["backward"] = True
+            loss.backward()
+            del loss
+    finally:
+        for h in handles:
+            h.remove()
+        for slots, n, old, _ in swaps:
+            slots[n] = old
+        model.train(was_training)
+
+    first_use = list(first_seen) + [i for i in range(len(infos)) if i not in first_seen]
+    regions = []
+    run: list[Event] = []
+    for ev in trace + [Event("end", "", ())]:
+        if ev.phase == "recompute":
+            run.append(ev)
+            continue
+        if run:
+            ps = tuple(dict.fromkeys(i for e in run for i in e.params))
+            regions.append(CheckpointRegion(tuple(e.module for e in run), ps,
+                                            sum(infos[i].numel for i in ps) * _itemsize(dtype)))
+            run = []
+    return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
+                   saved_bytes=saved.peak, peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
+                   flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,
+                   largest_module_numel=largest, peak_phase=live.peak_phase, collectives=live.collectives,
+                   collective_bytes=int(live.collective_bytes))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()

@@ -1,0 +1,139 @@
+"""Stages 1-2: where the forward waits for chunks still *arriving* (an update's all-gather, or the
+delayed update's upload, in flight after a step), so later chunks' arrivals overlap earlier
+modules' compute (see ArrivalHooks)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from ..distributed.tensor_parallel import local
+from ..units import direct_params
+
+
+class ArrivalHooks:
+    """Stages 1-2: after a step, the updated chunks *arrive* (their all-gather, and with the delayed
+    update their upload, still in flight: `Chunk.arriving`) while the next forward runs. Each
+    module's forward first waits for its own chunks (on the device where it can), so later chunks'
+    gathers overlap earlier modules' compute.
+
+    Code may also read a parameter outside its module's forward before it arrived: a logging or EMA
+    line after step(), state_dict(), a parent module's forward reading a child's weight. While
+    chunks are arriving, a torch function mode (`ArrivalGuard`) therefore sees every torch call and
+    first waits for the chunks of the tensors it is given. It is armed by `arm()` after a step and
+    removed once every chunk has arrived (at the latest when the forward ends: `settle()`), so
+    calls outside that window pay nothing. Stage 3 waits in the gather instead."""
+
+    def __init__(self, model: nn.Module, chunks_of):
+        self.chunks_of = chunks_of
+        self.guard = ArrivalGuard()
+        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules() if direct_params(m)]
+
+    def arm(self, chunks) -> None:
+        """Guard reads of the chunks now arriving (call after publishing an update)."""
+        self.guard.watch([c for c in chunks if c.arriving is not None])
+
+    def _pre(self, module, args):
+        if self.guard.armed:
+            for c in self.chunks_of(module):
+                self.guard.arrived(c)
+
+    def settle(self) -> None:
+        """Wait for every chunk still arriving and remove the guard."""
+        self.guard.watch([])
+
+    def remove(self) -> None:
+        self.settle()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class ArrivalGuard(TorchFunctionMode):
+    """See ArrivalHooks. Chunks are matched by storage: a parameter (or any view of it) shares its
+    chunk's storage, so one lookup per tensor argument finds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: dict[int, object] = {}  # storage address -> chunk whose data is arriving
+        self.armed = False  # on the torch function mode stack
+
+    def watch(self, chunks) -> None:
+        """Wait for the chunks watched so far; then watch `chunks` (armed iff there are any)."""
+        for c in list(self.pending.values()):
+            c.await_arrival()
+        if chunks and not self.armed:
+            self._sweep()
+        if not self.armed and torch._C._len_torch_function_stack():
+            # A mode entered before step() would pop this one at its exit: no overlap then.
+            for c in chunks:
+                c.await_arrival()
+            chunks = []
+        self.pending = {c.full.untyped_storage().data_ptr(): c for c in chunks}
+        if self.pending and not self.armed:
+            torch._C._push_on_torch_function_stack(self)
+            self.armed = True
+        elif not self.pending:
+            self._disarm()
+
+    def arrived(self, chunk) -> None:
+        """Wait for `chunk`; once nothing is pending, leave the mode stack."""
+        if self.pending.pop(chunk.full.untyped_storage().data_ptr(), None) is not None:
+            chunk.await_arrival()
+        if not self.pending:
+            self._disarm()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.pending:
+            # Every torch call of the forward comes through here while chunks arrive: a tensor is
+            # looked for among the arguments and one level into lists and tuples (torch.cat's
+            # operands), not with a full pytree walk, which cost a tenth of the forward.
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    self._wait_for(a)
+                elif isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, torch.Tensor):
+                            self._wait_for(t)
+        return func(*args, **kwargs)
+
+    def _wait_for(self, t: torch.Tensor) -> None:
+        t = local(t)  # a DTensor parameter: its local shard lives in the chunk
+        # Read as a plain tensor's: a tensor subclass's own handling must not run here (another
+        # engine's stage-3 placeholder refuses any use; this only looks for a storage).
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.layout is not torch.strided or t.is_meta:
+                return
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass with no storage of its own
+                return
+        c = self.pending.pop(ptr, None)
+        if c is not None:
+            c.await_arrival()
+
+    @staticmethod
+    def _stack() -> list:
+        return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+    def _sweep(self) -> None:
+        """Take other guards off the stack (an engine dropped between a step and the next forward
+        leaves its guard there; its reads were all waited for or will be now)."""
+        for m in self._stack():
+            if isinstance(m, ArrivalGuard) and m is not self:
+                m.watch([])
+
+    def _disarm(self) -> None:
+        """Leave the mode stack, putting back the modes a user entered above this one since (their
+        own exits pop them later, in order)."""
+        if not self.armed:
+            return
+        self.armed = False
+        if not any(m is self for m in self._stack()):  # already popped
+            return
+        above = []
+        while (m := torch._C._pop_torch_function_stack()) is not self:
+            above.append(m)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)

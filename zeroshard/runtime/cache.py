@@ -1,0 +1,208 @@
+"""The replicated-chunk cache (rCache): which stage-3 chunks are gathered at a given moment.
+
+A chunk in use by a running module (forward) or a module whose backward is pending is *pinned* and
+never evicted. When a new chunk must be gathered and the cache is full, an unpinned chunk is
+released: the one whose next use in the recorded sequence is farthest away (Belady's rule), or the
+least recently used one while the sequence is still being recorded. If every cached chunk is pinned
+the cache grows past its capacity rather than deadlock, and `overflows` counts it.
+
+Prefetch: the sequence of chunk uses (forward then backward) comes from the profiler when the
+planner runs (offload/stage 'auto'), else it is recorded over the first training step. Steps follow
+that sequence with a cursor, and each use starts the all-gather of the next chunk in the sequence
+when a slot is free, so communication overlaps the current module's compute.
+
+Departures (dynamic control flow): a use that is not the expected one moves the cursor to that
+chunk's next occurrence in the sequence. A chunk the rest of the sequence never names puts the cache
+off schedule: it evicts the least recently used chunk and stops prefetching until a use matches the
+sequence again. Departures are counted and logged once; they never stop training.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import OrderedDict
+
+from .chunks import Chunk, ChunkState
+from ..errors import invariant
+
+log = logging.getLogger("zeroshard")
+
+
+class ChunkCache:
+    def __init__(self, comm, capacity: int | None, prefetch: bool):
+        self.comm = comm
+        self.capacity = capacity
+        self.prefetch_enabled = prefetch
+        self.cached: OrderedDict[int, Chunk] = OrderedDict()  # gathered or gathering, LRU first
+        self.pins: dict[int, int] = {}
+        self.recording = False
+        self.schedule: list[int] = []
+        self._positions: dict[int, list[int]] = {}  # chunk index -> its positions in the schedule
+        self.chunks_by_index: dict[int, Chunk] = {}
+        self.cursor = 0
+        self.overflows = 0
+        self.peak = 0  # most chunks cached at once since the last reset
+        self.peak_bytes = 0  # most bytes of gathered chunks held at once since the last reset
+        self._bytes = 0
+        self.source = "recorded"  # or "profiled": where the schedule came from
+        self.departures = 0  # uses that were not the one the schedule expected
+        self.off_schedule = False
+
+    def reset_peak(self) -> None:
+        """Start counting the peak (chunks and bytes held at once) afresh."""
+        self.peak = 0
+        self.peak_bytes = 0
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the chunks gathered (or gathering) now."""
+        return self._bytes
+
+    def set_chunks(self, chunks: list[Chunk]) -> None:
+        self.chunks_by_index = {c.index: c for c in chunks}
+
+    def set_schedule(self, sequence: list[int]) -> None:
+        """Follow this sequence of chunk uses (from the profile) instead of recording one."""
+        self.schedule = []
+        self._positions = {}
+        for i in sequence:
+            if not self.schedule or self.schedule[-1] != i:
+                self.schedule.append(i)
+                self._positions.setdefault(i, []).append(len(self.schedule) - 1)
+        self.recording = False
+        self.source = "profiled"
+
+    def restart_recording(self) -> None:
+        """Record the sequence of chunk uses afresh (the layout may still change)."""
+        self.schedule.clear()
+        self._positions.clear()
+        self.recording = True
+
+    def stop_recording(self) -> None:
+        """The sequence recorded is the schedule from now on."""
+        self.recording = False
+
+    def rewind(self) -> None:
+        """A forward begins: follow the schedule from its start."""
+        self.cursor = 0
+
+    # -- use -----------------------------------------------------------------------------------
+    def acquire(self, chunk: Chunk) -> None:
+        """Make `chunk` GATHERED and pin it."""
+        self._note_use(chunk.index)
+        if chunk.index not in self.cached:
+            self._gather(chunk)
+        self.cached.move_to_end(chunk.index)
+        if chunk.state is ChunkState.GATHERING:
+            chunk.finish_gather()
+        self.pins[chunk.index] = self.pins.get(chunk.index, 0) + 1
+        self._maybe_prefetch()
+
+    def release(self, chunk: Chunk) -> None:
+        """Unpin; the chunk stays cached until evicted or flushed. With a capacity of one use per
+        chunk (the minimum), a fully unpinned cache over capacity frees at once."""
+        n = self.pins[chunk.index] - 1
+        if n:
+            self.pins[chunk.index] = n
+        else:
+            del self.pins[chunk.index]
+        self._shrink()
+
+    def flush(self) -> None:
+        """Release every cached chunk: after an optimizer step the gathered copies are stale."""
+        invariant(not self.pins, lambda: f"rCache flush with pinned chunks {sorted(self.pins)}")
+        for c in list(self.cached.values()):
+            c.release()
+        self.cached.clear()
+        self._bytes = 0
+
+    # -- internals ------------------------------------------------------------------------------
+    def _gather(self, chunk: Chunk) -> None:
+        """Gather on demand: make room if possible, else go over capacity (counted)."""
+        if not self._make_room(1):
+            self.overflows += 1
+        self._start_gather(chunk)
+
+    def _start_gather(self, chunk: Chunk) -> None:
+        chunk.start_gather(self.comm)
+        self.cached[chunk.index] = chunk
+        self._bytes += chunk.full_bytes
+        self.peak = max(self.peak, len(self.cached))
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+
+    def _evict(self, index: int) -> None:
+        c = self.cached.pop(index)
+        self._bytes -= c.full_bytes
+        c.release()
+
+    def _evictable(self):
+        """Unpinned cached chunks, best victim first."""
+        free = [i for i in self.cached if i not in self.pins]
+        if self.recording or not self.schedule or self.off_schedule:
+            return free  # LRU order
+        return sorted(free, key=self._next_use, reverse=True)
+
+    def _next_use(self, index: int) -> float:
+        pos = self._positions.get(index, ())
+        k = bisect.bisect_left(pos, self.cursor)
+        return pos[k] if k < len(pos) else float("inf")
+
+    def _make_room(self, n: int) -> bool:
+        if self.capacity is None:
+            return True
+        for i in self._evictable():
+            if len(self.cached) + n <= self.capacity:
+                break
+            self._evict(i)
+        return len(self.cached) + n <= self.capacity
+
+    def _shrink(self) -> None:
+        if self.capacity is not None:
+            for i in self._evictable():
+                if len(self.cached) <= self.capacity:
+                    break
+                self._evict(i)
+
+    def _note_use(self, index: int) -> None:
+        if self.recording:
+            if not self.schedule or self.schedule[-1] != index:
+                self.schedule.append(index)
+                self._positions.setdefault(index, []).append(len(self.schedule) - 1)
+            return
+        sched = self.schedule
+        if self.cursor and sched[self.cursor - 1] == index:
+            return  # another use of the current chunk (the schedule stores runs once)
+        if self.cursor < len(sched) and sched[self.cursor] == index:
+            self.cursor += 1
+            self.off_schedule = False
+            return
+        self._depart(index)
+
+    def _depart(self, index: int) -> None:
+        """A use the schedule did not expect: resume after this chunk's next occurrence, if any;
+        else go off schedule (LRU, no prefetch) until a use matches again."""
+        expected = self.schedule[self.cursor] if self.cursor < len(self.schedule) else None
+        self.departures += 1
+        if self.departures == 1:
+            log.warning("chunk uses depart from the %s order (chunk %d used where chunk %s was "
+                        "expected, position %d of %d): dynamic control flow? Training goes on; where the "
+                        "order cannot be followed the cache evicts the least recently used chunk and does "
+                        "not prefetch. Logged once; stats()['schedule_departures'] counts them.",
+                        self.source, index, expected, self.cursor, len(self.schedule))
+        pos = self._positions.get(index, ())
+        k = bisect.bisect_left(pos, self.cursor)
+        if k < len(pos):
+            self.cursor = pos[k] + 1
+            self.off_schedule = False
+        else:
+            self.off_schedule = True
+
+    def _maybe_prefetch(self) -> None:
+        if not self.prefetch_enabled or self.recording or self.off_schedule:
+            return
+        sched = self.schedule
+        j = self.cursor
+        if j >= len(sched) or sched[j] in self.cached:
+            return
+        if self._make_room(1):  # a prefetch never goes over capacity
+            self._start_gather(self.chunks_by_index[sched[j]])

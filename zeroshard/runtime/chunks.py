@@ -1,0 +1,566 @@
+"""Chunks: parameters packed into flat buffers, each sharded evenly over the ranks.
+
+Vocabulary (used in names, logs and errors throughout zeroshard):
+- chunk: a flat buffer holding several whole parameters back to back, in order of first use.
+- padded numel: the chunk's length rounded up so that it splits into `world` equal shards.
+- shard: rank r's slice [r*s, (r+1)*s) of a chunk, s = padded numel / world.
+- owned range: the part of a chunk whose optimizer update this rank computes: the whole chunk at
+  stage 0, the rank's shard at stages 1-3.
+- full: the whole chunk in compute dtype; params are views into it. Persistent at stages 0-2; at
+  stage 3 it exists only while the chunk is GATHERED (or GATHERING).
+- master: the fp32 copy of the owned range that the optimizer updates. In fp32 training it *is* the
+  owned range of the compute storage (no copy).
+- master piece: the part of one parameter's master that lies in the owned range, as a tensor of its
+  own (aliasing the master) that the user's optimizer steps: each parameter keeps its own param
+  group, state and step count, and one that got no gradient is not stepped, as in torch.
+- grad full / grad shard: gradients of the whole chunk in compute dtype, and this rank's reduced
+  slice of them.
+
+- placement: whether the master + optimizer states, and (stage 3) the shard, live on the host
+  (offload.py); with the optimizer on the host the reduced gradient is moved there too.
+- arriving: an update on its way into a chunk, not waited for yet (stages 1-2: its all-gather after
+  a step; with the delayed update: the upload into its shard); the chunk's first use waits for it.
+- tag: what a collective is (kind, chunk index, micro-batch), compared across ranks before it is
+  issued, so that ranks whose call order diverged raise DivergedError (ordering.py).
+
+Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
+Gradient states within one backward pass: ACCUMULATING -> REDUCING (a reduction in flight) ->
+REDUCED (finished during backward), back to ACCUMULATING at the end of backward; gradients that
+arrive late (reentrant checkpointing) set a REDUCING reduction aside (`stash`) or, once REDUCED, start
+a new buffer that the end of backward reduces and folds in (reducer.py decides when).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import invariant
+from .offload import Pending, Placement, Transfer
+from ..distributed.ordering import GATHER, REDUCE
+from ..distributed.tensor_parallel import set_local
+
+ALIGN = 16  # elements: parameter offsets and shard lengths are multiples, for vectorised kernels
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def pack(numels: list[int], capacity: int) -> list[list[tuple[int, int]]]:
+    """Assign parameters (given by size, in order of first use) to chunks.
+
+    Next-fit in order: a parameter joins the current chunk if it fits in `capacity` elements
+    (offsets aligned to ALIGN), else opens a new one; a parameter never straddles two chunks, and one
+    larger than `capacity` gets a chunk of its own. Returns, per chunk, (index into `numels`, offset
+    in elements) of each parameter in it.
+    """
+    chunks: list[list[tuple[int, int]]] = []
+    used = 0
+    for i, n in enumerate(numels):
+        start = _round_up(used, ALIGN)
+        if not chunks or start + n > capacity:
+            chunks.append([(i, 0)])
+            used = n
+        else:
+            chunks[-1].append((i, start))
+            used = start + n
+    return chunks
+
+
+# Every collective costs a fixed time besides its bytes. Measured here (gloo, 2 ranks on one 2-core
+# host): about 1.5 ms per collective at about 1 GB/s, so a 4M-element fp32 chunk (16 MiB) spends a
+# tenth of its all-gather on that fixed cost; NCCL's (tens of microseconds at ~100 GB/s) breaks even
+# at sizes of the same order. Smaller chunks than this add fixed costs, per-chunk hooks and order
+# checks, and save little memory.
+EFFICIENT_CHUNK = 1 << 22  # elements
+
+
+def auto_chunk_size(numels: list[int]) -> int:
+    """Default chunk capacity (elements) until the Elixir search picks one: about an eighth of the
+    model but at least EFFICIENT_CHUNK (a model smaller than that is one chunk), at most 64M
+    elements, and never smaller than the largest parameter."""
+    if not numels:
+        return ALIGN
+    return max(max(numels), min(1 << 26, max(EFFICIENT_CHUNK, math.ceil(sum(numels) / 8))))
+
+
+def fold_host_grad(host: torch.Tensor | None, in_flight: Pending | None) -> torch.Tensor | None:
+    """A chunk's host gradient with the copy still in flight added in (waited for first)."""
+    if in_flight is None:
+        return host
+    arrived = in_flight.wait()
+    return arrived if host is None else host.add_(arrived)
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives inside its chunk."""
+
+    param: nn.Parameter
+    name: str  # its first fully qualified name in the model
+    offset: int  # elements from the start of the chunk
+    numel: int
+    shape: torch.Size
+
+
+# Where a chunk's initial values come from: fill(slot, lo, hi) returns elements [lo, hi) of the
+# slot's parameter, flattened, in any floating dtype (read as fp32), as one tensor or as an iterable of
+# consecutive blocks (a file read a block at a time). A chunk asks only for what its
+# rank stores, each range once (layout.py builds the sources: the model's own tensors, a meta-device
+# initialiser, pretrained weights, or the chunks of a re-pack).
+Fill = Callable[[Slot, int, int], torch.Tensor]
+
+
+@dataclass
+class MasterPiece:
+    """One parameter's master piece: chunk elements [lo, hi) of the owned range, and `param`, an
+    nn.Parameter aliasing those master elements (shaped as the parameter when it holds all of it,
+    1-D otherwise), which is what the user's optimizer steps."""
+
+    slot: Slot
+    index: int  # the slot's position in its chunk
+    lo: int
+    hi: int
+    param: nn.Parameter
+
+
+class ChunkState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GradState(enum.Enum):
+    """A trainable chunk's gradient within one backward pass."""
+
+    ACCUMULATING = "accumulating"  # gradients arrive into grad_full; no reduction of this pass started
+    REDUCING = "reducing"  # a reduction of this pass's gradient is in flight (reduce_work)
+    REDUCED = "reduced"  # ... and it finished during backward
+
+
+class Chunk:
+    """One chunk: its storage for a given stage, and the moves between its states.
+
+    Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
+    No chunk buffer is ever autograd-tracked: autograd sees only the parameters' views.
+    """
+
+    @torch.no_grad()
+    def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
+                 dtype: torch.dtype, device: torch.device, trainable: bool, fill: "Fill",
+                 comm=None, placement: Placement = Placement(), transfer: Transfer | None = None,
+                 grad_dtype: torch.dtype | None = None):
+        self.index = index
+        self.slots = slots
+        self.stage = stage
+        self.trainable = trainable
+        self.dtype = dtype
+        self.grad_dtype = grad_dtype or dtype  # gradients accumulated and reduced in it (precision.py)
+        self.device = device
+        self.placement = placement
+        self.transfer = transfer or Transfer(device)
+        self.numel = slots[-1].offset + slots[-1].numel
+        self.padded_numel = _round_up(self.numel, world * ALIGN)
+        self.shard_numel = self.padded_numel // world
+        lo = rank * self.shard_numel
+        self.shard_range = (lo, lo + self.shard_numel)
+        self.owned_range = (0, self.padded_numel) if stage == 0 else self.shard_range
+
+        # Storage, zeroed (the padding stays zero), then filled with the initial values.
+        if stage == 3:
+            self.full = None
+            self.shard = self.transfer.host_empty(self.shard_numel, dtype) if placement.params_on_host \
+                else torch.empty(self.shard_numel, dtype=dtype, device=device)
+            self.shard.zero_()
+            self.state = ChunkState.SHARDED
+        else:
+            self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
+            self.shard = self.full[self.owned_range[0]:self.owned_range[1]]  # stage 0: the whole chunk
+            self.state = ChunkState.GATHERED
+        self.master = None
+        # fp32 training with master and shard on the same side: the optimizer updates the compute
+        # storage itself; otherwise the master is an fp32 copy on the optimizer's side.
+        self.master_is_shard = dtype == torch.float32 and (
+            placement.optimizer_on_host == (stage == 3 and placement.params_on_host))
+        if trainable:
+            if self.master_is_shard:
+                self.master = self.shard
+            else:
+                n = self.owned_range[1] - self.owned_range[0]
+                self.master = self.transfer.host_empty(n, torch.float32) if placement.optimizer_on_host \
+                    else torch.empty(n, dtype=torch.float32, device=device)
+                self.master.zero_()
+        self._fill(fill, comm, rank)
+        self.pieces: list[MasterPiece] = self._master_pieces() if trainable else []
+        # In-flight async collectives. Gathers and reductions are independent and can overlap (a
+        # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
+        self.gather_work = None
+        self.reduce_work = None
+
+        # Gradients (trainable chunks only). Stages 0-1 keep the full gradient for the whole step;
+        # stages 2-3 keep only the reduced shard, and the full gradient lives from the first
+        # gradient of a backward pass until this chunk's reduce-scatter completes.
+        self.grad_full = None
+        self.grad_shard = None
+        if trainable and stage <= 1:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
+        self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
+        self.grad_state = GradState.ACCUMULATING
+        self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives
+        self.expected_grads = len(slots) if trainable else 0
+        # Slots (by index) that got a gradient on this rank since the last step: a parameter that got
+        # none on any rank is not stepped (torch skips a parameter whose .grad is None).
+        self.slots_with_grad: set[int] = set()
+        self._slot_index = {id(s): i for i, s in enumerate(slots)}
+        # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
+        # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
+        self.host_grad = None
+        self.grad_in_flight = None
+        # An update on its way into this chunk, not yet waited for: the all-gather of an update
+        # (stages 1-2), or the delayed update's upload into the shard. The chunk's first use (its
+        # module's forward, its stage-3 gather) waits for it, so it overlaps the forward instead of
+        # holding back its start.
+        self.arriving = None  # anything with wait(): a collective's work, a Pending copy
+        if not any(s.param.is_meta for s in slots):  # meta parameters: once every chunk is built
+            self.attach_params()
+
+    @torch.no_grad()
+    def make_trainable(self) -> None:
+        """A frozen chunk one of whose parameters was unfrozen after initialize (gradual
+        unfreezing) gets what trainable chunks have: an fp32 master of its owned range, taken from
+        the values it holds (in 16-bit training, the 16-bit copies: a frozen chunk keeps no fp32
+        one), gradient buffers, and master pieces, whose optimizer state starts empty as torch's
+        does for a parameter it has not stepped. Its parameters still frozen get no gradient and
+        are not stepped."""
+        if self.trainable:
+            return
+        self.trainable = True
+        if self.master_is_shard:
+            self.master = self.shard
+        else:
+            n = self.owned_range[1] - self.owned_range[0]
+            self.master = self.transfer.host_empty(n, torch.float32) if self.placement.optimizer_on_host \
+                else torch.empty(n, dtype=torch.float32, device=self.device)
+            self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
+        self.pieces = self._master_pieces()
+        if self.stage <= 1:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self.expected_grads = len(self.slots)
+
+    def attach_params(self) -> None:
+        """Point the parameters at this chunk: at their views of the full chunk (stages 0-2), or at
+        nothing (stage 3), which frees the storage they had as built at once, not at a first gather."""
+        if self.stage != 3:
+            self.bind_params()
+        else:
+            self.unbind_params()
+
+    def _master_pieces(self) -> list[MasterPiece]:
+        lo, hi = self.owned_range
+        base = self.master.detach()
+        out = []
+        for i, s in enumerate(self.slots):
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                view = base[a - lo:b - lo]
+                out.append(MasterPiece(s, i, a, b, nn.Parameter(view.view(s.shape) if b - a == s.numel else view)))
+        return out
+
+    def held_range(self) -> tuple[int, int]:
+        """The chunk elements whose value this rank stores: the whole chunk at stages 0-2, the shard
+        at stage 3."""
+        return self.shard_range if self.stage == 3 else (0, self.padded_numel)
+
+    def _fill(self, fill: "Fill", comm, rank: int) -> None:
+        """Write the initial values. With `comm`, every rank takes rank 0's values (as DDP does): rank
+        0 fills the whole chunk in fp32 and broadcasts it (other ranks ask `fill` for nothing).
+        Otherwise each rank asks `fill` only for the elements it stores (at stage 3, its shard), so
+        no rank holds more of the model than its own states plus one parameter."""
+        def blocks(got):
+            return [got.reshape(-1)] if torch.is_tensor(got) else got
+
+        if comm is not None:
+            full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
+            if rank == 0:
+                for s in self.slots:
+                    full32[s.offset:s.offset + s.numel].copy_(torch.cat(list(blocks(fill(s, 0, s.numel)))))
+            comm.broadcast(full32)
+            self.write_elements(0, self.padded_numel, full32)
+            return
+        lo, hi = self.held_range()
+        for s in self.slots:
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if a < b:
+                self.write_blocks(s, a - s.offset, blocks(fill(s, a - s.offset, b - s.offset)))
+
+    @torch.no_grad()
+    def write_elements(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Write chunk elements [lo, hi) (`values`, any floating dtype, read as fp32) into every copy
+        of them this rank keeps: the full chunk or the shard in the compute dtype, and the fp32 master."""
+        def put(dst: torch.Tensor, dst_lo: int) -> None:
+            a, b = max(lo, dst_lo), min(hi, dst_lo + dst.numel())
+            if a < b:
+                dst[a - dst_lo:b - dst_lo].copy_(values[a - lo:b - lo])
+
+        if self.full is not None and self.stage < 3:
+            put(self.full, 0)
+        else:
+            put(self.shard, self.shard_range[0])
+        if self.master is not None and not self.master_is_shard:
+            put(self.master, self.owned_range[0])
+
+    def write(self, slot: Slot, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Write elements [lo, hi) of one parameter (flattened) into the copies this rank keeps."""
+        self.write_elements(slot.offset + lo, slot.offset + hi, values.reshape(-1))
+
+    def write_blocks(self, slot: Slot, lo: int, blocks) -> None:
+        """Write consecutive blocks of one parameter's flattened elements, from element `lo` on."""
+        for block in blocks:
+            self.write(slot, lo, lo + block.numel(), block)
+            lo += block.numel()
+
+    def discard(self) -> None:
+        """Drop this chunk's storage (a re-pack copied it into new chunks, which own it now)."""
+        self.full = self.shard = self.master = None
+        self.pieces = []
+        self.grad_full = self.grad_shard = self.host_grad = None
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the whole chunk in the compute dtype (what one gathered copy occupies)."""
+        return self.padded_numel * torch.tensor([], dtype=self.dtype).element_size()
+
+    # -- parameters ---------------------------------------------------------------------------
+    def bind_params(self) -> None:
+        """Point every parameter's data at its view of the full chunk."""
+        for s in self.slots:
+            set_local(s.param, self.full[s.offset:s.offset + s.numel].view(s.shape))
+
+    def unbind_params(self) -> None:
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for s in self.slots:
+            set_local(s.param, empty)
+
+    def expect_arrival(self, work) -> object:
+        """An update is on its way into this chunk (anything with wait(): a collective's work, a
+        Pending copy); await_arrival waits for it. Returns `work`."""
+        self.arriving = work
+        return work
+
+    def count_grad(self) -> None:
+        """One more parameter's gradient arrived in this backward pass."""
+        self.grads_seen += 1
+
+    def await_arrival(self) -> None:
+        """Wait for the update arriving into this chunk, if any (on the device where it can)."""
+        if self.arriving is not None:
+            self.arriving.wait()
+            self.arriving = None
+
+    # -- stage 3 gather / release ---------------------------------------------------------------
+    def start_gather(self, comm) -> None:
+        """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
+        invariant(self.state is ChunkState.SHARDED, lambda: f"chunk {self.index}: start_gather in {self.state}")
+        self.await_arrival()
+        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        shard = self.shard
+        if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
+            lo, hi = self.shard_range
+            shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
+        self.gather_work = comm.all_gather(self.full, shard, async_op=True, tag=(GATHER, self.index))
+        self.state = ChunkState.GATHERING
+
+    def finish_gather(self) -> None:
+        """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""
+        invariant(self.state is ChunkState.GATHERING,
+                  lambda: f"chunk {self.index}: finish_gather in {self.state}")
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+        self.state = ChunkState.GATHERED
+        self.bind_params()
+
+    def release(self) -> None:
+        """GATHERED -> SHARDED: free the full chunk (stage 3 only)."""
+        if self.state is ChunkState.GATHERING:
+            self.finish_gather()
+        invariant(self.state is ChunkState.GATHERED, lambda: f"chunk {self.index}: release in {self.state}")
+        self.unbind_params()
+        self.full = None
+        self.state = ChunkState.SHARDED
+
+    # -- gradients -----------------------------------------------------------------------------
+    def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+        self.slots_with_grad.add(self._slot_index[id(slot)])
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+
+    def start_reduce(self, comm) -> None:
+        """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
+        reduce-scatter into this rank's slot of the full gradient at stages 1-3."""
+        invariant(self.grad_state is not GradState.REDUCING,
+                  lambda: f"chunk {self.index}: start_reduce in {self.grad_state}")
+        self.grad_state = GradState.REDUCING
+        if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        if self.stage == 0:
+            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
+        else:
+            self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
+
+    def stash_reduced(self) -> None:
+        """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
+        re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
+        new buffer, reduced when backward ends."""
+        invariant(self.grad_state is GradState.REDUCING, lambda: f"chunk {self.index}: stash_reduced in {self.grad_state}")
+        self.stash = (self.grad_full, self.reduce_work)
+        self.grad_full, self.reduce_work = None, None
+        self.grad_state = GradState.ACCUMULATING
+
+    def finish_reduce(self) -> None:
+        """Wait for this backward pass's reductions and fold them into the kept gradient."""
+        if self.stash is not None and self.grad_state is not GradState.REDUCING:
+            # Late gradients have started a new buffer that is not reduced yet: the stashed
+            # reduction is folded in with that one's, later in this backward.
+            buf, work = self.stash
+            if work is not None:
+                work.wait()
+            self.stash = (buf, None)
+            return
+        stashed = None
+        if self.stash is not None:
+            stashed, work = self.stash
+            self.stash = None
+            if work is not None:
+                work.wait()
+        if self.reduce_work is not None:
+            self.reduce_work.wait()
+            self.reduce_work = None
+        if self.grad_state is not GradState.REDUCING:  # nothing reduced (stages 0-1 between boundaries)
+            return
+        self.grad_state = GradState.REDUCED
+        lo, hi = self.owned_range
+        if self.stage <= 1:
+            if stashed is not None:
+                stashed[lo:hi].add_(self.grad_full[lo:hi])
+                self.grad_full = stashed
+            if self.placement.optimizer_on_host:  # stages 0-1 reduce once per step
+                self._send_grad(self.grad_full[lo:hi])
+            return
+        # Stages 2-3 keep only the reduced slice, accumulated over micro-batches.
+        reduced = self.grad_full[lo:hi]
+        if stashed is not None:
+            reduced = reduced + stashed[lo:hi]
+        if self.placement.optimizer_on_host:
+            self._send_grad(reduced)
+        elif self.grad_shard is None:
+            self.grad_shard = reduced.clone()
+        else:
+            self.grad_shard.add_(reduced)
+        self.grad_full = None
+
+    def _send_grad(self, reduced: torch.Tensor) -> None:
+        """Start moving a reduced gradient to the host; the previous one is folded in first, so at
+        most one copy per chunk is in flight."""
+        self._fold_host_grad()
+        self.grad_in_flight = self.transfer.to_host(reduced)
+
+    def _fold_host_grad(self) -> None:
+        self.host_grad = fold_host_grad(self.host_grad, self.grad_in_flight)
+        self.grad_in_flight = None
+
+    def take_host_grad(self) -> tuple[torch.Tensor | None, Pending | None]:
+        """With the optimizer on the host: hand over this step's reduced gradient as (what has
+        arrived on the host, the copy still in flight), leaving the chunk without one. The delayed
+        update (optimizer.py) folds them with `fold_host_grad` in its own thread while the next
+        backward fills the chunk anew."""
+        out = (self.host_grad, self.grad_in_flight)
+        if self.grad_in_flight is not None and self.stage <= 1:
+            self.grad_in_flight.fence()  # its source, grad_full, is zeroed for the next step
+        self.host_grad = self.grad_in_flight = None
+        return out
+
+    def owned_grad(self) -> torch.Tensor | None:
+        """The reduced gradient of the owned range (compute dtype), or None before any backward.
+        With the optimizer on the host it is a host tensor."""
+        if self.placement.optimizer_on_host:
+            self._fold_host_grad()
+            return self.host_grad
+        if self.stage >= 2:
+            return self.grad_shard
+        lo, hi = self.owned_range
+        return self.grad_full[lo:hi]
+
+    def abandon_reduce(self) -> None:
+        """A backward pass failed: drop its reductions in flight and what they were reducing (stages
+        2-3: the pass's full gradient; stages 0-1 keep theirs, accumulated as torch's .grad is)."""
+        self.reduce_work = None
+        self.stash = None
+        if self.stage >= 2:
+            self.grad_full = None
+        self.grads_seen = 0
+        self.grad_state = GradState.ACCUMULATING
+
+    def end_backward(self) -> None:
+        """The backward pass is over (its reductions finished): the next one starts afresh. At stages
+        0-1 a reduced buffer stays REDUCED until the step clears it or another backward pass of the
+        same step reopens it (`reopen`)."""
+        invariant(self.grad_state is not GradState.REDUCING,
+                  lambda: f"chunk {self.index}: end_backward in {self.grad_state}")
+        self.grads_seen = 0
+        if self.stage >= 2 or self.grad_state is not GradState.REDUCED:
+            self.grad_state = GradState.ACCUMULATING
+
+    def reopen(self) -> None:
+        """Stages 0-1, another backward pass before the step (several backward calls per step): the
+        buffer holds this step's reduced sum, which the next reduction would count again on every
+        rank. So each rank keeps it only in its own slot (where stage 1 keeps it and no other rank
+        does; with the optimizer on the host, where the sum went already, nowhere): the next
+        reduction then adds every slot's earlier sum exactly once."""
+        invariant(self.stage <= 1 and self.grad_state is GradState.REDUCED,
+                  lambda: f"chunk {self.index}: reopen at stage {self.stage} in {self.grad_state}")
+        if self.placement.optimizer_on_host:
+            self._fold_host_grad()  # the copy to the host reads the buffer
+            self.grad_full.zero_()
+        else:
+            lo, hi = self.shard_range
+            self.grad_full[:lo].zero_()
+            self.grad_full[hi:].zero_()
+        self.grad_state = GradState.ACCUMULATING
+
+    def zero_grad(self) -> None:
+        if self.grad_in_flight is not None:  # left by a failed step: dropped, once its source is read
+            self.grad_in_flight.fence()
+            self.grad_in_flight = None
+        self.host_grad = None
+        self.slots_with_grad.clear()
+        if self.stage <= 1:
+            self.grad_full.zero_()
+        else:
+            self.grad_shard = None
+            self.grad_full = None
+        self.grads_seen = 0
+        self.grad_state = GradState.ACCUMULATING
+
+    # -- accounting ----------------------------------------------------------------------------
+    def state_bytes(self) -> list[tuple[str, bool, int]]:
+        """Persistent bytes this chunk holds on this rank, as (kind, on host, bytes) with kind
+        'params', 'grads' or 'master' (the optimizer's own states are counted by the engine)."""
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        gel = torch.tensor([], dtype=self.grad_dtype).element_size()
+        out = [("params", self.stage == 3 and self.placement.params_on_host,
+                (self.shard_numel if self.stage == 3 else self.padded_numel) * el)]
+        if self.trainable:
+            if self.stage <= 1:  # the full gradient stays on the device for accumulation
+                out.append(("grads", False, self.padded_numel * gel))
+            if self.stage >= 2 or self.placement.optimizer_on_host:
+                out.append(("grads", self.placement.optimizer_on_host, self.shard_numel * gel))
+        if self.master is not None and not self.master_is_shard:
+            out.append(("master", self.placement.optimizer_on_host, self.master.numel() * 4))
+        return out

@@ -1,0 +1,417 @@
+"""Module hooks: where the model's execution drives chunk gathers and releases (stage 3), and where
+the first-use order of parameters is recorded (every stage).
+
+Stage 3 lifecycle of one module call:
+  forward pre-hook   acquire (gather + pin) the module's chunks; put the real parameters in its slots
+  forward post-hook  put placeholders back; unpin; register a pre-backward hook on the outputs
+  pre-backward       acquire the chunks again and *hold* them for this module's backward
+  gradient arrival   once every trainable direct parameter of the module has its gradient, the hold
+                     ends (the engine calls `grad_arrived`); holds still open end with the backward.
+
+Tensors that autograd saves for backward and that are views of a gathered chunk (a weight saved by
+a matmul) are saved as a `ChunkView` (chunk, offset, size, stride) instead, and re-read from the
+chunk, gathered again by then, in backward: otherwise every saved weight would keep its gathered
+chunk alive from forward to backward and stage 3 would hold the whole model at its peak.
+
+Outside its module's forward, a stage-3 parameter's slot holds a `ShardedPlaceholder` with the
+parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
+the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
+reads a parameter of a submodule that does not run (nn.MultiheadAttention reads out_proj.weight) *borrows*
+it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
+unit (gathered, held for backward and released with that module's own parameters).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from .chunks import ChunkState
+from ..errors import ShardedParameterError
+from ..units import direct_params, unit_members
+
+_METADATA = {
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_leaf.__get__,
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_meta.__get__,
+    torch._has_compatible_shallow_copy_type,
+    # None: a gradient lives in its chunk (torch's clip_grad_norm_ on these raises: module_state.py)
+    torch.Tensor.grad.__get__,
+}
+_REQUIRES_GRAD = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}
+
+
+_CASTS = {torch.Tensor.to: None, torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+          torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64, torch.Tensor.cpu: None}
+
+
+def _unchanged(func, args, kwargs) -> bool:
+    """Whether a cast or move of the placeholder args[0] would return it as it is."""
+    t = args[0]
+    if func is torch.Tensor.cpu:
+        return t.device.type == "cpu"
+    if func is not torch.Tensor.to:
+        return _CASTS[func] == t.dtype
+    with torch._C.DisableTorchFunctionSubclass():
+        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
+
+
+class ShardedPlaceholder(torch.Tensor):
+    """Occupies a module's parameter slot while stage 3 holds that parameter sharded."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, shape: torch.Size, dtype, name: str):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=like.device,
+                                                requires_grad=like.requires_grad)
+        t._zs_name = name
+        t._zs_absorb_copies = False  # inside model.load_state_dict: the value went to the shard already
+        t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, if a forward may read it
+        t._zs_param = None  # the real parameter it stands in for
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func is torch.Tensor.copy_ and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_absorb_copies:
+            return args[0]
+        if func in _CASTS and isinstance(args[0], ShardedPlaceholder) and _unchanged(func, args, kwargs or {}):
+            return args[0]  # model.to(where it is), model.float() in fp32: nothing to do
+        # nn.Module._apply putting an unchanged placeholder back (`==`: a method-wrapper is made anew each time)
+        if func == torch.Tensor.data.__set__ and args[1] is args[0]:
+            return None
+        if func in _REQUIRES_GRAD and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_param is not None:
+            # freezing or unfreezing through model.parameters(): the real parameter's flag, and its stand-in's
+            func(args[0]._zs_param, *args[1:], **(kwargs or {}))
+            with torch._C.DisableTorchFunctionSubclass():
+                func(*args, **(kwargs or {}))
+            return args[0] if func is torch.Tensor.requires_grad_ else None
+        flat, _ = tree_flatten((args, kwargs or {}))
+        held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
+        borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
+        real = {id(a): borrow(a) for a in held} if borrow is not None else {}
+        if real and all(r is not None for r in real.values()):  # read inside an ancestor's forward
+            args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
+            return func(*args, **kwargs)
+        names = sorted({a._zs_name for a in held})
+        if func is torch.Tensor.__repr__:
+            return f"ShardedPlaceholder({names[0]}, shape={tuple(args[0].shape)})"
+        raise ShardedParameterError(
+            f"zeroshard stage 3: parameter {', '.join(names)} was used by "
+            f"{getattr(func, '__name__', func)} outside the forward of a module that owns it, while "
+            "it is sharded. Use it inside that module's forward (or a module that registers it), "
+            "read engine.full_state_dict(), or use stage <= 2."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
+
+
+class ChunkView:
+    """A saved tensor that is a view of a gathered stage-3 chunk, kept as a reference."""
+
+    __slots__ = ("chunk", "size", "stride", "offset")
+
+    def __init__(self, chunk, t: torch.Tensor):
+        self.chunk, self.size, self.stride, self.offset = chunk, t.size(), t.stride(), t.storage_offset()
+
+
+def weak_method(method):
+    """A function that calls `method` while its object lives, without keeping the object alive
+    (autograd keeps hooks in C++, where the garbage collector cannot see a cycle through them)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        return m(*args) if m is not None else None
+    return call
+
+
+class FirstUseRecorder:
+    """Records parameters in order of first use during one forward pass. A leaf unit (units.py)
+    uses its whole subtree at once, in module order, whichever of its submodules run: so its
+    experts pack together, and alike on every rank."""
+
+    def __init__(self, model: nn.Module, leaves=()):
+        self.order: list[nn.Parameter] = []
+        self._seen: set[int] = set()
+        units = unit_members(model, list(leaves))
+        self._handles = [m.register_forward_pre_hook(lambda m, args, members=members: self._use(members))
+                         for m, members in units.items() if members]
+
+    def _use(self, members):
+        for module in members:
+            for _, p in direct_params(module):
+                if id(p) not in self._seen and not isinstance(p, ShardedPlaceholder):
+                    self._seen.add(id(p))
+                    self.order.append(p)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class _AfterUnitBackward(torch.autograd.Function):
+    """Identity on a leaf unit's inputs: its backward runs once the gradient has gone back through
+    the whole unit (autograd runs a unit's nodes, and the accumulation of its parameters'
+    gradients, before the node that made its inputs), on every rank at the same point whatever
+    experts ran, which is when the unit's hold ends (FSDP2 ends a module's backward the same way)."""
+
+    @staticmethod
+    def forward(ctx, done, *tensors):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None, *grads)
+
+
+def _outputs(out, real: dict[int, nn.Parameter]):
+    """The tensors a unit's forward returned, found through pytree containers and, one level down,
+    the attributes of plain objects; and `out` with every parameter of `real` (id -> parameter) in
+    it replaced by a view of it (an object's attribute is replaced in place: it cannot be rebuilt),
+    or None when it returned none."""
+    flat, spec = tree_flatten(out)
+    tensors, found = [], False
+    for i, t in enumerate(flat):
+        if isinstance(t, torch.Tensor):
+            if id(t) in real:
+                flat[i] = t = t.view_as(t)
+                found = True
+            tensors.append(t)
+        elif hasattr(t, "__dict__") and not isinstance(t, (type, nn.Module)):
+            for k, v in list(vars(t).items()):
+                if isinstance(v, torch.Tensor):
+                    if id(v) in real:
+                        v = v.view_as(v)
+                        setattr(t, k, v)
+                        found = True
+                    tensors.append(v)
+    return tensors, (tree_unflatten(flat, spec) if found else None)
+
+
+class Stage3Hooks:
+    """Installs and runs the stage-3 module hooks, one pair per unit (units.py). `chunks_of(unit)`
+    gives the chunks holding a unit's parameters, `params_of(unit)` (it changes if the engine
+    re-packs chunks); `on_borrow(unit)` is told when a unit's parameters grew by a borrowed one;
+    `on_leaf_backward(params)` when the gradient has gone back through a leaf unit with these
+    parameters (those that got none will get none in this pass)."""
+
+    def __init__(self, model: nn.Module, cache, chunks_of, names: dict[int, str],
+                 shapes: dict[int, torch.Size], dtype: torch.dtype, on_borrow=lambda module: None,
+                 leaves=(), on_leaf_backward=lambda params: None):
+        self.cache = cache
+        self.chunks_of = chunks_of
+        self.units = unit_members(model, list(leaves))  # unit -> modules whose own parameters it gathers
+        self.leaves = {m for m in leaves}
+        self.unit_of = {member: unit for unit, members in self.units.items() for member in members}
+        self.direct: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}  # member -> its own parameters
+        self.placeholders: dict[nn.Module, list[tuple[str, ShardedPlaceholder]]] = {}  # member -> stand-ins
+        self.real: dict[nn.Module, list[tuple[str, nn.Parameter]]] = {}  # unit -> every parameter it gathers
+        self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> units that gather it
+        # unit -> (owner module, name, parameter) it borrowed (see the module docstring)
+        self.borrowed: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+        self._slot: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
+        self.on_borrow = on_borrow
+        self.on_leaf_backward = on_leaf_backward
+        borrow = weak_method(self.borrow)
+        # One placeholder per parameter, in every slot that holds it (tied weights): the module's
+        # parameters() then lists it once, as torch lists a tied parameter once.
+        stand_in: dict[int, ShardedPlaceholder] = {}
+        for unit, members in self.units.items():
+            seen = set()
+            self.real[unit] = []
+            for m in members:
+                self.direct[m] = direct_params(m)
+                self.placeholders[m] = []
+                for n, p in self.direct[m]:
+                    t = stand_in.get(id(p))
+                    if t is None:
+                        t = stand_in[id(p)] = ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)])
+                        t._zs_borrow, t._zs_param = borrow, p
+                        self._slot[id(t)] = (m, n, p)
+                    self.placeholders[m].append((n, t))
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        self.real[unit].append((n, p))
+                        self.owners.setdefault(id(p), []).append(unit)
+            self._swap(unit, real=False)
+        # unit -> ids of params whose grads are pending; None: a leaf, whose hold ends when the
+        # gradient reaches its inputs (_AfterUnitBackward)
+        self.held: dict[nn.Module, set[int] | None] = {}
+        # Unit calls whose forward started but has not ended. Non-reentrant checkpointing stops a
+        # recomputation early by raising inside the forward, so some never end: they are closed
+        # when backward ends (and an exception in a user's forward leaves some for the next call).
+        self.active: list[nn.Module] = []
+        self.in_backward = False
+        self._handles = []
+        for m in self.units:
+            if m in self.leaves:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward_leaf, with_kwargs=True))
+            else:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+
+    def is_unit(self, module: nn.Module) -> bool:
+        return module in self.real
+
+    def params_of(self, unit: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """A unit's parameters and those it borrowed."""
+        return self.real[unit] + [(n, p) for _, n, p in self.borrowed.get(unit, ())]
+
+    def direct_real(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """A module's own parameters (the real ones, whatever its slots hold now)."""
+        return self.direct[module]
+
+    def borrow(self, placeholder: ShardedPlaceholder) -> nn.Parameter | None:
+        """The real parameter behind `placeholder`, gathered, if a unit's forward is running (None
+        otherwise): it joins the innermost running unit from now on."""
+        if not self.active:
+            return None
+        m = self.active[-1]
+        owner, name, p = self._slot[id(placeholder)]
+        entries = self.borrowed.setdefault(m, [])
+        if all(q is not p for _, _, q in entries):
+            before = list(self.chunks_of(m))
+            entries.append((owner, name, p))
+            self.owners.setdefault(id(p), []).append(m)
+            self.on_borrow(m)
+            for c in self.chunks_of(m):  # released with m's own when its forward ends
+                if c not in before:
+                    self.cache.acquire(c)
+            owner._parameters[name] = p
+        return p
+
+    def _swap_borrowed(self, unit: nn.Module, real: bool) -> None:
+        for owner, name, p in self.borrowed.get(unit, ()):
+            if real:
+                owner._parameters[name] = p
+            elif self.unit_of[owner] not in self.active:
+                owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
+
+    def show_real_parameters(self, real: bool) -> None:
+        """Put the real parameters in every module's slots (True), or the placeholders back."""
+        for unit in self.units:
+            self._swap(unit, real)
+
+    def absorb_copies(self, module: nn.Module, on: bool) -> None:
+        """While `module` loads a state dict whose values module_state.py already wrote into the
+        shards: its placeholders take torch's copy into them as done."""
+        for _, t in self.placeholders[module]:
+            t._zs_absorb_copies = on
+
+    def _swap(self, unit: nn.Module, real: bool) -> None:
+        for m in self.units[unit]:
+            for n, t in (self.direct[m] if real else self.placeholders[m]):
+                m._parameters[n] = t
+
+    def _pre_forward(self, unit, args):
+        for c in self.chunks_of(unit):
+            self.cache.acquire(c)
+        self._swap(unit, real=True)
+        self._swap_borrowed(unit, True)
+        self.active.append(unit)
+
+    def _pre_forward_leaf(self, unit, args, kwargs):
+        self._pre_forward(unit, args)
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:  # nothing to mark where its backward ends: the hold lasts until backward's end
+            return None
+        done = weak_method(self._end_leaf_backward)
+        marked = _AfterUnitBackward.apply(lambda: done(unit), *(flat[i] for i in at))
+        for i, t in zip(at, marked):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, unit, args, out):
+        # A parameter returned from its unit's forward: once its chunk is released the parameter
+        # holds no data, so the caller gets a view of it instead, made before the release, which
+        # keeps the gathered storage (and the values) alive for as long as the caller holds it.
+        tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
+        self._end_forward(unit)
+        if torch.is_grad_enabled():
+            tensors = [t for t in tensors if t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads, m=unit: self._pre_backward(m), mode="any")
+        return replaced
+
+    def _end_forward(self, unit) -> None:
+        i = len(self.active) - 1 - self.active[::-1].index(unit)
+        del self.active[i]
+        if unit not in self.active:
+            self._swap(unit, real=False)
+            self._swap_borrowed(unit, False)
+        for c in self.chunks_of(unit):
+            self.cache.release(c)
+
+    def close_open_forwards(self) -> None:
+        while self.active:
+            self._end_forward(self.active[-1])
+
+    def _pre_backward(self, unit) -> None:
+        self.in_backward = True
+        if unit in self.held:
+            return
+        # A unit with no trainable parameter keeps its hold until the end of backward.
+        self.held[unit] = None if unit in self.leaves else \
+            {id(p) for _, p in self.params_of(unit) if p.requires_grad}
+        for c in self.chunks_of(unit):
+            self.cache.acquire(c)
+
+    def grad_arrived(self, param: nn.Parameter) -> None:
+        for m in self.owners.get(id(param), ()):
+            pending = self.held.get(m)
+            if pending is None:  # not held, or a leaf (its inputs' gradient ends the hold)
+                continue
+            pending.discard(id(param))
+            if not pending:
+                self._end_hold(m)
+
+    def _end_leaf_backward(self, unit) -> None:
+        self.on_leaf_backward([p for _, p in self.params_of(unit)])
+        if unit in self.held:
+            self._end_hold(unit)
+
+    def _end_hold(self, unit) -> None:
+        del self.held[unit]
+        for c in self.chunks_of(unit):
+            self.cache.release(c)
+
+    # -- saved tensors (see ChunkView) -------------------------------------------------------------
+    def pack_chunk_view(self, t: torch.Tensor) -> ChunkView | None:
+        ptr = t.untyped_storage().data_ptr()
+        for c in self.cache.cached.values():
+            if c.full is not None and c.full.untyped_storage().data_ptr() == ptr:
+                return ChunkView(c, t)
+        return None
+
+    @staticmethod
+    def unpack_chunk_view(v: ChunkView) -> torch.Tensor:
+        c = v.chunk
+        if c.state is ChunkState.GATHERING:
+            c.finish_gather()
+        if c.state is not ChunkState.GATHERED:
+            names = ", ".join(s.name for s in c.slots)
+            raise ShardedParameterError(
+                f"zeroshard stage 3: backward needs chunk {c.index} ({names}) but it is not gathered: "
+                "a parameter saved for backward was used outside the modules that register it")
+        return c.full.as_strided(v.size, v.stride, v.offset)
+
+    def end_backward(self) -> None:
+        self.close_open_forwards()
+        for m in list(self.held):
+            self._end_hold(m)
+        self.in_backward = False

@@ -1,0 +1,218 @@
+"""The wrapped module's own state API under sharding: `model.load_state_dict(...)` after
+`zeroshard.initialize` loads into what training reads.
+
+Plain `load_state_dict` copies each value into the module's parameter. zeroshard keeps more copies
+of a parameter than the module shows: the fp32 master of this rank's owned range (16-bit training,
+or an optimizer on the host), and at stage 3 only a shard, with a placeholder in the module. A load
+hook per module therefore writes each loaded value, in full fp32 precision, into every copy this
+rank keeps: the master piece, the compute storage (the full chunk at stages 0-2, the shard at
+stage 3); then torch's own copy into the module's parameter runs as usual (stages 0-2) or is
+absorbed by the placeholder (stage 3). Every rank loads its own copy of the state dict, as with
+plain torch, so no collective runs. Optimizer state is left as it is, as torch leaves it.
+
+`full_parameters` (Engine.full_parameters) is the context for everything else of the module's API
+that reads or writes parameters as whole tensors (state_dict, save_pretrained, in-place edits): every
+parameter is the whole fp32 value for its duration, and what it holds at the end is written back as a
+load would write it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import weakref
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..errors import GradientsInChunksError, ModuleMovedError
+from .hooks import Stage3Hooks
+from ..units import direct_params
+from ..distributed.tensor_parallel import as_dtensor, local, local_value, set_local
+
+
+class StateDictLoading:
+    """Installs the load hooks. `real_params(module)`: its direct parameters even while stage 3 has
+    placeholders in their place; `slot_of`: id(param) -> (chunk, slot); `before_load()`: called
+    before anything is written (lands a delayed update, waits for arriving chunks, drops the rCache's
+    gathered copies, which the load makes stale); False: leave the load to torch (the parameters hold
+    their full values: Engine.full_parameters)."""
+
+    def __init__(self, model: nn.Module, real_params: Callable, slot_of: Callable[[], dict],
+                 hooks: Stage3Hooks | None, before_load: Callable[[], None]):
+        self.real_params = real_params
+        self.slot_of = slot_of
+        self.hooks = hooks
+        self.before_load = before_load
+        self._handles = []
+        for m in model.modules():
+            if direct_params(m):
+                self._handles.append(m.register_load_state_dict_pre_hook(self._pre_load))
+                if hooks is not None:
+                    self._handles.append(m.register_load_state_dict_post_hook(self._post_load))
+
+    def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("zeroshard: load_state_dict(..., assign=True) would put new tensors in place of the "
+                               "parameters zeroshard shards and trains; load without assign=True")
+        if not self.before_load():
+            return
+        slot_of = self.slot_of()
+        for name, p in self.real_params(module):
+            value = state_dict.get(prefix + name)
+            c, s = slot_of[id(p)]
+            if torch.is_tensor(value) and isinstance(p, DTensor):  # a whole tensor or a DTensor
+                value = local_value(p, value)
+                if value is None:  # not this parameter's shape: torch reports it
+                    continue
+                # torch's own copy then meets what it copies into: the module's DTensor, or at
+                # stage 3 a placeholder of the local shape (load_state_dict copied the dict first)
+                state_dict[prefix + name] = value if self.hooks is not None else as_dtensor(p, value)
+            if torch.is_tensor(value) and value.shape == s.shape:  # torch itself reports what is not
+                _write(c, s, value)
+        if self.hooks is not None:
+            self.hooks.absorb_copies(module, True)
+
+    def _post_load(self, module, incompatible) -> None:
+        self.hooks.absorb_copies(module, False)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def route_zero_grad(model: nn.Module, zero_grad: Callable[[], None]) -> None:
+    """`model.zero_grad()` on the wrapped model drops the engine's gradients (they live in its
+    chunks, not in the parameters' .grad): it calls `zero_grad` (Engine.zero_grad) instead."""
+    def model_zero_grad(set_to_none: bool = True) -> None:
+        zero_grad()
+    model.zero_grad = model_zero_grad
+
+
+def sync_generation(model: nn.Module) -> list[str]:
+    """Stage 3 (or tensor parallelism) over several ranks: every forward is a collective, so ranks
+    generating sequences of different lengths (sampling, EOS, their own max_new_tokens) must run
+    the same number of forwards. transformers' `generate(synced_gpus=True)` does that (a finished
+    rank runs on without using the results until every rank is done); it turns it on itself under
+    DeepSpeed ZeRO-3 and FSDP. Here the `generate` of every module of the model that takes
+    `synced_gpus` (the model itself, or a transformers model inside a LightningModule) passes
+    synced_gpus=True unless the caller gives True or False. Returns the names of the modules."""
+    wrapped = []
+    for name, m in model.named_modules():
+        method = getattr(type(m), "generate", None)
+        if not callable(method) or "synced_gpus" not in inspect.signature(method).parameters:
+            continue
+        bound = m.generate
+
+        @functools.wraps(bound)
+        def generate(*args, __bound=bound, **kwargs):
+            if kwargs.get("synced_gpus") is None:
+                kwargs["synced_gpus"] = True
+            return __bound(*args, **kwargs)
+        m.generate = generate
+        wrapped.append(name)
+    return wrapped
+
+
+def _write(c, s, value: torch.Tensor) -> None:
+    """Write one parameter's whole value into the copies of it that chunk c keeps on this rank."""
+    lo, hi = c.held_range()
+    a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
+    if a < b:
+        c.write(s, a, b, value.detach().reshape(-1)[a:b])
+
+
+@contextlib.contextmanager
+def full_parameters(engine, writeback: bool):
+    """See Engine.full_parameters."""
+    engine.apply_delayed_update()
+    if engine.stage == 3:
+        engine.cache.flush()
+    values = engine.layout.full_values()  # collective: fp32, from the masters (frozen: the 16-bit copies)
+    for p in engine.params:
+        set_local(p, values[id(p)])
+    if engine.hooks is not None:
+        engine.hooks.show_real_parameters(True)
+    try:
+        yield
+        if writeback:
+            for c in engine.chunks:
+                for s in c.slots:
+                    _write(c, s, local(s.param).data)
+    finally:
+        if engine.hooks is not None:
+            engine.hooks.show_real_parameters(False)
+        for c in engine.chunks:
+            if engine.stage == 3:
+                c.unbind_params()
+            else:
+                c.bind_params()
+
+
+_managed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a parameter zeroshard trains
+
+
+def guard_grad_readers(params) -> None:
+    """Make torch.nn.utils.clip_grad_norm_ (the gradient reader every training loop calls) raise
+    GradientsInChunksError for `params` instead of clipping nothing: their .grad is None, since
+    gradients go into the chunks, so torch would find a norm of 0 and leave the step unclipped."""
+    for p in params:
+        _managed[id(p)] = p
+    utils = torch.nn.utils
+    if getattr(utils.clip_grad_norm_, "_zeroshard_guard", False):
+        return
+    original = utils.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(_managed.get(id(p)) is p for p in params):
+            raise GradientsInChunksError(
+                "zeroshard: torch.nn.utils.clip_grad_norm_ was given parameters that zeroshard trains: their "
+                "gradients live in zeroshard's chunks (sharded, reduced at the step), so torch would see none "
+                "and clip nothing. Set the config's clip_grad_norm instead (the same global L2 norm, over every "
+                "shard); engine.stats()['grad_norm'] reports it")
+        return original(params, *args, **kwargs)
+    clip_grad_norm_._zeroshard_guard = True
+    utils.clip_grad_norm_ = clip_grad_norm_
+    utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
+def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:
+    """`model.to(...)`, `.cuda()`, `.half()` and the like after initialize would point parameters at
+    new tensors: the forward would read those, the optimizer would step the chunks, and training
+    would silently stop. Each module's `_apply` is followed by a check that its parameters still
+    view their chunks; where one does not, every parameter is put back on its chunk and
+    ModuleMovedError is raised (a move to where the parameters already are changes nothing and
+    passes)."""
+    def check() -> None:
+        moved = []
+        for c in chunks():
+            if c.full is None:  # stage 3, sharded: the module holds placeholders
+                continue
+            for s in c.slots:
+                if s.numel and s.param.data_ptr() != c.full[s.offset:].data_ptr():
+                    moved.append(s.name)
+            if moved:
+                c.bind_params()
+        if moved:
+            for c in chunks():
+                if c.full is not None:
+                    c.bind_params()
+            raise ModuleMovedError(
+                f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved or cast after zeroshard.initialize "
+                "(model.to / .cuda / .half ...): the engine owns where parameters live and in which dtype. Move "
+                "the model before initialize, choose the dtype with the config's precision; the parameters "
+                "are back on their chunks (buffers may have moved)")
+
+    for m in model.modules():
+        if direct_params(m):
+            apply = m._apply
+
+            def guarded(fn, recurse=True, apply=apply):
+                out = apply(fn, recurse)
+                check()
+                return out
+            m._apply = guarded

@@ -1,0 +1,319 @@
+"""Checkpoints: every rank writes its own shards through torch.distributed.checkpoint (DCP); any world
+size, stage, chunk size or offload setting loads them, with no conversion step.
+
+Vocabulary (root, tag, version, lease: checkpoint_dirs.py; piece, the files of one checkpoint:
+checkpoint_files.py):
+- DCP keys: `model.<name>` (fp32 values of parameters: the masters, or frozen parameters widened;
+  under their first name; and buffers),
+  `optim.state.<name>.<state>` (e.g. exp_avg, step; a Python number as a 0-d tensor),
+  `rng.<rank>.<generator>` (each rank's RNG states, as tensors). Every entry is a tensor.
+
+A save is atomic: it is written to `.tmp-<tag>-<id>` in root, checksummed, renamed to its version
+directory, the tag's link switched to it (a new link renamed over the old), and only then is
+`latest` replaced (write, fsync, rename). A crash at any point leaves `latest` naming a complete
+checkpoint: the previous one until the new one is complete (a tag whose link is missing is found at
+its newest complete version). The next save clears what a crash left; `keep` (save_checkpoint)
+removes all but the newest tags. Checkpoints of older zeroshard (a plain `<tag>` directory) load as
+they are. Loading: checkpoint_load.py.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..files.checkpoint_dirs import (LATEST, META, SUMS, VERSION, commit, fsync_dir, prune, remove_leftovers, write_file,
+                              write_latest)
+from ..files.checkpoint_files import EXTRA, FORMAT, Piece, SafeWriter, SavePlanner, cause_line, digest, failure
+from ..errors import CheckpointError
+from ..distributed.ordering import CHECKPOINT
+
+log = logging.getLogger("zeroshard")
+
+# -- what the engine holds, by the model's own names ------------------------------------------------
+def _elementwise(v, piece) -> bool:
+    return torch.is_tensor(v) and v.dim() > 0 and v.shape == piece.shape
+
+
+def _optim_kinds(engine) -> dict[str, dict[str, str]]:
+    """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'int' | 'float'}} for
+    every parameter with optimizer state on some rank (one never stepped has none, as in torch);
+    CheckpointError for a state of any other kind (nothing is pickled)."""
+    mine, error = {}, None
+    for c in engine.optim.chunks:
+        for pc in c.pieces:
+            kinds = {}
+            for k, v in engine.optim.optimizer.state.get(pc.param, {}).items():
+                if _elementwise(v, pc.param):
+                    kinds[k] = "elementwise"
+                elif torch.is_tensor(v) and v.numel() == 1:
+                    kinds[k] = "tensor"
+                elif torch.is_tensor(v):
+                    error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} has shape {tuple(v.shape)} for a "
+                             f"piece of {tuple(pc.param.shape)}: only elementwise states (and scalars) can be saved "
+                             "independently of the sharding")
+                elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                    kinds[k] = "float" if isinstance(v, float) else "int"
+                else:
+                    error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} is a {type(v).__name__}: a checkpoint "
+                             "holds tensors and numbers only (nothing pickled)")
+            if kinds:
+                mine[pc.slot.name] = kinds
+    everyone = engine.comm.all_gather_objects((mine, error))
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return {name: kinds for got, _ in everyone for name, kinds in got.items()}
+
+
+def describe_model(engine) -> dict:
+    """Parameter names, shapes and trainability in packing order, tied names, buffers, state_dict keys."""
+    params = [[s.name, list(s.shape), s.param.requires_grad] for c in engine.chunks for s in c.slots]
+    tied, buffers = {}, {}
+    for key, obj in engine.state_keys:
+        if id(obj) in engine.names:
+            if key != engine.names[id(obj)]:
+                tied[key] = engine.names[id(obj)]
+        elif torch.is_tensor(obj):
+            buffers[key] = list(obj.shape)
+        else:
+            raise CheckpointError(f"zeroshard: state_dict entry {key!r} is neither a parameter nor a buffer (a "
+                                  "module's extra state): zeroshard checkpoints do not hold those yet")
+    return {"params": params, "tied": tied, "buffers": buffers,
+            "state_dict_keys": [k for k, _ in engine.state_keys]}
+
+
+def mismatch(saved: dict, model: dict) -> str | None:
+    """What differs between a checkpoint's model and this one, or None."""
+    a = {n: tuple(s) for n, s, _ in saved["params"]} | {k: tuple(s) for k, s in saved["buffers"].items()}
+    b = {n: tuple(s) for n, s, _ in model["params"]} | {k: tuple(s) for k, s in model["buffers"].items()}
+
+    def listed(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:20]) + (f" and {len(keys) - 20} more" if len(keys) > 20 else "")
+
+    lines = []
+    if a.keys() - b.keys():
+        lines.append(f"in the checkpoint, not in this model ({len(a.keys() - b.keys())}): {listed(a.keys() - b.keys())}")
+    if b.keys() - a.keys():
+        lines.append(f"in this model, not in the checkpoint ({len(b.keys() - a.keys())}): {listed(b.keys() - a.keys())}")
+    shapes = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+    if shapes:
+        lines.append(f"shapes differ ({len(shapes)}): " + ", ".join(f"{k} {a[k]} in the checkpoint, {b[k]} here"
+                                                                  for k in shapes[:20]))
+    if saved["tied"] != model["tied"]:
+        lines.append(f"tied parameters differ: checkpoint {saved['tied']}, this model {model['tied']}")
+    return "\n  ".join(lines) if lines else None
+
+
+def _hf_config(module) -> dict | None:
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(cfg, "to_json_string") or not hasattr(cfg, "model_type"):
+        return None
+    out = json.loads(cfg.to_json_string())
+    if not out.get("architectures"):
+        out["architectures"] = [type(module).__name__]
+    return out
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors (nothing pickled): torch's (and CUDA's) byte states,
+    Python's and NumPy's Mersenne Twisters as integer tensors."""
+    version, words, gauss = random.getstate()
+    st = {"torch": torch.get_rng_state(), "python": torch.tensor([version, *words], dtype=torch.int64),
+          "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64)}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy
+        _, keys, pos, has_gauss, cached = numpy.random.get_state()
+        st["numpy"] = torch.tensor([int(pos), int(has_gauss), *(int(k) for k in keys)], dtype=torch.int64)
+        st["numpy_gauss"] = torch.tensor([float(cached)], dtype=torch.float64)
+    except ImportError:
+        pass
+    return st
+
+
+def set_rng_state(st: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(st["torch"])
+    gauss = float(st["python_gauss"][0])
+    random.setstate((int(st["python"][0]), tuple(int(x) for x in st["python"][1:]),
+                     None if math.isnan(gauss) else gauss))
+    if device.type == "cuda" and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"], device)
+    if "numpy" in st:
+        import numpy
+        n = st["numpy"].tolist()
+        numpy.random.set_state(("MT19937", numpy.array(n[2:], dtype=numpy.uint32), n[0], n[1],
+                                float(st["numpy_gauss"][0])))
+
+
+def runs(c, lo: int, hi: int):
+    """(slot, start in the parameter, [a, b) in chunk coordinates) for each parameter of chunk c
+    with elements in [lo, hi)."""
+    for s in c.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            yield s, a - s.offset, a, b
+
+
+# -- save ------------------------------------------------------------------------------------------
+def _save_state(engine) -> dict:
+    """This rank's DCP state: the pieces in its shard range (at stage 0 too, so ranks split the
+    writing), scalar optimizer states from the rank holding a parameter's first element, its RNG."""
+    out = {}
+    opt = engine.optim.optimizer
+    buffers = describe_model(engine)["buffers"]  # on every rank: it may raise, and must raise everywhere
+    for c in engine.chunks:
+        lo, hi = c.shard_range
+        base = c.owned_range[0]
+        # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
+        src = c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
+        if not c.trainable:
+            base = lo
+        piece_of = {id(pc.slot): pc for pc in c.pieces}
+        for s, start, a, b in runs(c, lo, hi):
+            out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start)
+            pc = piece_of.get(id(s))
+            for k, v in (opt.state.get(pc.param, {}) if pc is not None else {}).items():
+                key = f"optim.state.{s.name}.{k}"
+                if _elementwise(v, pc.param):
+                    out[key] = Piece(v.detach().reshape(-1)[a - pc.lo:b - pc.lo], s.shape, start)
+                elif start == 0:  # a scalar: a 0-d tensor, or a Python number saved as one
+                    out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else \
+                        torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
+    if engine.comm.rank == 0:
+        for key in buffers:
+            out[f"model.{key}"] = engine.module.get_buffer(key).detach()
+    for k, v in _rng_state(engine.device).items():
+        out[f"rng.{engine.comm.rank}.{k}"] = v
+    return out
+
+
+def quiesce(engine) -> None:
+    """Before reading or writing states: every rank is here (else DivergedError everywhere) and the
+    last update is in."""
+    engine.comm.agree(CHECKPOINT)
+    engine.apply_delayed_update()
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """See Engine.full_state_dict: the model's own state_dict keys, full fp32 parameter values and
+    buffers as they are, on the CPU (a collective; with tensor parallelism over the TP group too: a
+    split parameter's whole tensor, as plain torch would hold it)."""
+    quiesce(engine)
+    full = engine.layout.full_values()
+    if engine.tp is not None:
+        full = {id(p): engine.tp.full_tensor(p, full[id(p)]) for p in engine.params}
+    return {key: (full[id(obj)] if id(obj) in full else engine.module.get_buffer(key)).detach().cpu().clone()
+            for key, obj in engine.state_keys}
+
+
+def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None,
+         omit_pending_grads: bool = False) -> str:
+    """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
+    states, the config and `client_state` (rank 0's dict of tensors, numbers, strings, None, lists,
+    tuples and dicts, e.g. the data position; nothing a load would have to unpickle) as
+    checkpoint `tag` (default `step<N>`) in directory `root`, every rank writing its own shards; then
+    points root/latest at it. Any world size, stage, chunk size or offload setting can load it;
+    `zeroshard export` turns it into one safetensors file."""
+    quiesce(engine)
+    comm = engine.comm
+    if engine.grads_pending and not omit_pending_grads:
+        raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
+                              "would be lost); save after engine.step() has applied the update")
+    kinds = _optim_kinds(engine)
+    tag = tag if tag is not None else f"step{engine.steps}"
+    if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or VERSION.fullmatch(tag):
+        raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
+                              f"starting with '.', not '{LATEST}', not ending in '.v-' and 8 hex digits)")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise CheckpointError(f"zeroshard: keep={keep!r}: give the number of newest checkpoints to keep (>= 1)")
+    root = os.path.abspath(os.fspath(root))
+    t0 = time.perf_counter()
+    tmp = error = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            remove_leftovers(root)
+            tmp = os.path.join(root, f".tmp-{tag}-{uuid.uuid4().hex[:8]}")
+        except OSError as e:  # every rank must reach the broadcast
+            error = f"zeroshard: cannot write checkpoints in {root}: {e}"
+    tmp, error = comm.broadcast_object((tmp, error))
+    if error:
+        raise CheckpointError(error)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(_save_state(engine), storage_writer=SafeWriter(tmp), planner=SavePlanner(),
+                     process_group=comm.group, no_dist=not comm.distributed)
+        try:
+            mine = {n: digest(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(f"__{comm.rank}_")}
+        except OSError as e:
+            mine = f"rank {comm.rank}: {e}"
+        everyone = comm.all_gather_objects(mine)
+        error = next((x for x in everyone if isinstance(x, str)), None)
+        if comm.rank == 0 and error is None:
+            try:
+                _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
+                if keep is not None:
+                    prune(root, keep, tag)
+            except Exception as e:  # reported on every rank below
+                error = cause_line(e)
+        error = comm.broadcast_object(error)
+        if error is not None:
+            raise CheckpointError(f"zeroshard: saving checkpoint {tag!r} in {root} failed: {error}")
+    except BaseException as e:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (CheckpointError, KeyboardInterrupt, SystemExit)):
+            raise
+        # torch's CheckpointException (a full or read-only disk in a writer) is a BaseException:
+        # an `except Exception` around save_checkpoint must catch it.
+        raise failure(e, f"save checkpoint {tag!r} in {root}", comm.timeout_s,
+                      " (the checkpoints already there are intact)") from e
+    final = os.path.join(root, tag)
+    if comm.rank == 0:
+        size = sum(os.path.getsize(os.path.join(final, n)) for n in os.listdir(final))
+        log.info("saved checkpoint %s (%.1f MB, world %d) in %.2f s", final, size / 1e6, comm.world,
+                 time.perf_counter() - t0)
+    return final
+
+
+def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kinds: dict) -> None:
+    """Rank 0, once every rank's shards are written: the side files, the checksums, then the commit."""
+    meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "world": engine.comm.world, "stage": engine.stage, "precision": engine.zeroshard_config.precision,
+            "config": engine.zeroshard_config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
+            "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
+            **describe_model(engine), "optim_state": kinds,
+            "hf_config": _hf_config(engine.module),
+            "tensor_parallel": engine.tp.describe(engine.params, engine.names) if engine.tp else None}
+    write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
+    buf = io.BytesIO()
+    torch.save({"client_state": client_state, "param_groups": groups}, buf)
+    try:  # what a load will read: refuse now, not then
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError("client_state (and the optimizer's hyperparameters) must hold only tensors, numbers, "
+                              "strings, None, and lists, tuples and dicts of them: a checkpoint is loaded without "
+                              f"unpickling code ({type(e).__name__}: {e})") from None
+    write_file(os.path.join(tmp, EXTRA), buf.getvalue())
+    for name in (".metadata", META, EXTRA):
+        sums[name] = digest(os.path.join(tmp, name))
+    write_file(os.path.join(tmp, SUMS), json.dumps(sums, indent=1, sort_keys=True).encode())
+    fsync_dir(tmp)
+    commit(tmp, root, tag)
+    write_latest(root, tag)
