@@ -163,3 +163,15 @@ def test_moved_module_paths_import_the_modules_they_moved_to():
         assert moved.__name__ == f"zeroshard.{new}" and getattr(zeroshard, old) is moved
     with __import__("pytest").raises(ModuleNotFoundError):
         importlib.import_module("zeroshard.no_such_module")
+
+
+def test_one_vocabulary():
+    """docs/vocabulary.md defines each word once; no module opens a vocabulary of its own."""
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "vocabulary.md")).read()
+    defined = re.findall(r"\*\*([^*]+)\*\*", doc)
+    repeated = sorted({w for w in defined if defined.count(w) > 1})
+    assert not repeated, f"defined more than once in docs/vocabulary.md: {repeated}"
+    assert {"chunk", "slot", "piece", "fragment", "full", "whole", "cache_chunks", "agree", "settle"} <= set(defined)
+    own = [m for m, path in modules(os.path.dirname(zeroshard.__file__)).items()
+           if "Vocabulary" in (ast.get_docstring(ast.parse(open(path).read())) or "")]
+    assert not own, f"modules defining their own vocabulary (point to docs/vocabulary.md): {own}"

@@ -15,13 +15,13 @@ from zeroshard.planning.planner import Planner, Target, belady_loads, chunk_sequ
 RESERVE = CUDA_RESERVE if CUDA else 0  # what the planner keeps back on the engine's device
 
 
-def brute_belady(seq, blocks):
+def brute_belady(seq, cache_chunks):
     cache, loads = [], 0
     for i, c in enumerate(seq):
         if c in cache:
             continue
         loads += 1
-        if len(cache) >= blocks:
+        if len(cache) >= cache_chunks:
             def next_use(x):
                 return next((j for j in range(i + 1, len(seq)) if seq[j] == x), math.inf)
             cache.remove(max(cache, key=next_use))
@@ -33,12 +33,12 @@ def test_belady_matches_brute_force():
     rng = random.Random(0)
     for _ in range(200):
         seq = [rng.randrange(8) for _ in range(rng.randrange(1, 60))]
-        blocks = rng.randrange(1, 9)
-        loads, peak = belady_loads(seq, blocks, [10 + c for c in range(8)])
-        assert sum(loads) == brute_belady(seq, blocks)
+        cache_chunks = rng.randrange(1, 9)
+        loads, peak = belady_loads(seq, cache_chunks, [10 + c for c in range(8)])
+        assert sum(loads) == brute_belady(seq, cache_chunks)
         assert sum(loads) >= len(set(seq))
-        assert peak <= sum(sorted((10 + c for c in set(seq)), reverse=True)[:blocks])
-        if blocks >= len(set(seq)):
+        assert peak <= sum(sorted((10 + c for c in set(seq)), reverse=True)[:cache_chunks])
+        if cache_chunks >= len(set(seq)):
             assert sum(loads) == len(set(seq)) and peak == sum(10 + c for c in set(seq))
 
 

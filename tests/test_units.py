@@ -113,14 +113,14 @@ def test_config_from_json_and_toml(tmp_path):
 # -- packing ----------------------------------------------------------------------------------------
 def test_pack_keeps_order_and_never_straddles():
     sizes = [10, 20, 5, 40, 1, 100, 3]
-    chunks = pack(sizes, capacity=48)
+    chunks = pack(sizes, chunk_size=48)
     assert [i for c in chunks for i, _ in c] == list(range(len(sizes)))  # order of first use kept
     for c in chunks:
         offsets = [off for _, off in c]
         assert offsets[0] == 0 and all(o % ALIGN == 0 for o in offsets)
         ends = [off + sizes[i] for i, off in c]
         assert all(e <= o for e, o in zip(ends, offsets[1:]))  # no overlap
-        assert ends[-1] <= 48 or len(c) == 1  # only a parameter larger than capacity overflows, alone
+        assert ends[-1] <= 48 or len(c) == 1  # only a parameter larger than chunk_size overflows, alone
     assert [(5, 0)] in chunks  # the 100-element parameter sits alone
 
 
@@ -133,7 +133,7 @@ def test_auto_chunk_size_holds_largest_param():
 
 def _chunk(stage, rank, world, numels=(5, 7, 3), dtype=torch.float32):
     params = [torch.nn.Parameter(torch.arange(n, dtype=torch.float32) + 10 * i) for i, n in enumerate(numels)]
-    (placed,) = pack(list(numels), capacity=1000)
+    (placed,) = pack(list(numels), chunk_size=1000)
     slots = [Slot(params[i], f"p{i}", off, params[i].numel(), params[i].shape) for i, off in placed]
     return Chunk(0, slots, stage=stage, rank=rank, world=world, dtype=dtype, device=torch.device("cpu"),
                  trainable=True, fill=lambda s, lo, hi: s.param.detach()[lo:hi]), params
@@ -191,7 +191,7 @@ def test_cache_belady_keeps_chunk_needed_soonest():
     seq = [0, 1, 2, 0, 2, 1, 0]
     comm = Comm(torch.device("cpu"))
     chunks = {i: _FakeChunk(i) for i in range(3)}
-    cache = ChunkCache(comm, capacity=2, prefetch=False)
+    cache = ChunkCache(comm, cache_chunks=2, prefetch=False)
     cache.set_chunks(list(chunks.values()))
     cache.recording = True
     _use(cache, chunks, seq)  # LRU while recording
@@ -208,7 +208,7 @@ def test_cache_belady_keeps_chunk_needed_soonest():
 def test_cache_prefetches_next_recorded_chunk_and_never_evicts_pinned():
     comm = Comm(torch.device("cpu"))
     chunks = {i: _FakeChunk(i) for i in range(3)}
-    cache = ChunkCache(comm, capacity=2, prefetch=True)
+    cache = ChunkCache(comm, cache_chunks=2, prefetch=True)
     cache.set_chunks(list(chunks.values()))
     cache.recording = True
     _use(cache, chunks, [0, 1, 2])
@@ -218,7 +218,7 @@ def test_cache_prefetches_next_recorded_chunk_and_never_evicts_pinned():
     assert chunks[1].state is ChunkState.GATHERING  # prefetched while 0 is in use
     cache.acquire(chunks[1])  # 0 and 1 pinned, cache full: no prefetch of 2, no eviction
     assert chunks[2].state is ChunkState.SHARDED and chunks[0].state is ChunkState.GATHERED
-    cache.acquire(chunks[2])  # must gather anyway: over capacity, counted
+    cache.acquire(chunks[2])  # must gather anyway: over cache_chunks, counted
     assert cache.overflows == 1
 
 

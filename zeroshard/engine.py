@@ -1,18 +1,17 @@
 """The engine: applies ZeRO data parallelism to an unmodified nn.Module and conducts one training step.
 
-Data path: model -> profile and plan (planner.py, with offload="auto") -> chunks (chunks.py:
-parameters packed in order of first use, sharded) -> hooks (hooks.py: stage-3 gathers through the
-rCache, cache.py; saved tensors) -> gradients into chunks, reduced as each completes (reducer.py) ->
-ShardedOptimizer (optimizer.py: fp32 masters of owned ranges, on the device or the host, offload.py)
--> parameters pushed back -> checkpoint.py. The engine owns the wiring and the training phase
-(TrainingPhase); each of those modules owns its own state.
+Data path: model -> profile and plan (planning/, with offload="auto") -> chunks (runtime/chunks.py:
+parameters packed in order of first use, sharded) -> hooks (runtime/hooks.py: stage-3 gathers through
+the rCache; saved tensors) -> gradients into chunks, reduced as each completes (runtime/reducer.py) ->
+ShardedOptimizer (optim/: fp32 masters of owned ranges, on the device or the host) -> parameters pushed
+back -> state/ (checkpoints). assembly.py builds the parts in named steps; engine_io.py holds the
+methods that move state in and out. The engine owns the wiring and the training phase (TrainingPhase);
+each part owns its own state.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import enum
 import logging
 import weakref
 
@@ -20,94 +19,55 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from .runtime.cache import ChunkCache
-from .runtime.chunks import Chunk, auto_chunk_size
-from .distributed.collectives import Comm, default_device, init_process_group
+from .assembly import EngineCalls, install_hooks, join_world, make_parts, pack, plan, read_model
+from .engine_io import EngineIO, TrainingPhase
 from .config import Config
-from .errors import invariant
-from .runtime.arrival import ArrivalHooks
-from .runtime.hooks import Stage3Hooks, weak_method
-from .units import direct_params, leaf_modules
-from .runtime.layout import ChunkLayout, list_parameters, resolve_state
-from .runtime.materialize import InitialValues
-from .runtime.module_state import (StateDictLoading, full_parameters, guard_grad_readers, guard_moves, route_zero_grad,
-                           sync_generation)
-from .runtime.offload import Placement, Transfer
 from .distributed.ordering import STEP, waiting
-from .optim.loss_scale import LossScaler
-from .optim.optimizer import ShardedOptimizer, as_factory, default_optimizer
-from .planning.auto_plan import plan_for, profiled_sequence
-from .runtime.precision import InputCasts, cast_buffers
-from .runtime.reducer import GradientReducer
-from .runtime.saved_tensors import SavedTensorHooks
-from .telemetry.stats import StepMeter, describe_step, model_state_bytes, step_stats
-from .distributed.tensor_parallel import TensorParallel, local_grad, local_shape
-from .runtime.partitioned_activations import PartitionedActivations
-from .telemetry.timeline import MemoryTimeline
+from .distributed.tensor_parallel import local_grad
+from .errors import invariant
+from .planning.auto_plan import profiled_sequence
+from .runtime.chunks import Chunk
+from .runtime.hooks import weak_method
+from .telemetry.stats import StepMeter, describe_step, step_stats
 
 log = logging.getLogger("zeroshard")
 
 
-class TrainingPhase(enum.Enum):
-    """Where the engine is in a training step: each entry point checks it, so a call out of order
-    (a step inside backward, a forward after an interrupted backward) raises."""
-
-    IDLE = "idle"  # between calls
-    FORWARD = "forward"  # inside engine(...)
-    BACKWARD = "backward"  # from engine.backward (or the first gradient of loss.backward()) to its end
-    STEP = "step"  # inside engine.step()
-    FULL_PARAMETERS = "full parameters"  # inside `with engine.full_parameters()`
-
-
-class Engine:
+class Engine(EngineIO):
     """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, device: torch.device | None = None,
                  example_inputs=None, weights=None, init_fn=None):
-        # Named steps, in order: each leaves the engine ready for the next (FSDP2's fully_shard
-        # and torchtitan's parallelize steps read the same way).
+        # Named steps, in order (assembly.py): each takes what it needs and returns what it made.
         self.module = module
-        self._join_world(config, device)
-        config = self._plan(module, optimizer, config, example_inputs)
-        self._set_counters()
-        start = self._read_model(module, config, weights, init_fn)
-        self._make_parts(optimizer, config)
-        self._pack(start)
-        del start  # the weights' reader and any values it held: free before the hooks go on
-        self._install_hooks(module, config)
-        self._follow_schedule()
-
-    def _join_world(self, config: Config, device: torch.device | None) -> None:
-        """The device, the process group, tensor parallelism and the Comms over them."""
-        self.device = device or default_device()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        init_process_group(self.device, config.collective_timeout_s)
-        self.tp = None  # the tensor-parallel side (tensor_parallel.py); ZeRO runs over its "dp" group
-        if config.tensor_parallel > 1:
-            self.tp = TensorParallel(self.module, config.tensor_parallel, self.device)
-        self.comm = Comm(self.device, group=self.tp.dp_group if self.tp else None)
-        # Every rank, TP peers included: what one rank decides or fails at (a plan, an unreadable
-        # file) reaches them all, so none goes on alone.
-        self.world_comm = self.tp.world_comm if self.tp else self.comm
-        self.transfer = Transfer(self.device)
-        # Modules stage 3 gathers whole (units.py): mixture-of-experts blocks, or the config's
-        self.leaves = leaf_modules(self.module, config.leaf_modules)
-
-    def _plan(self, module: nn.Module, optimizer, config: Config, example_inputs) -> Config:
-        """offload/stage 'auto': profile and plan; returns the config that runs."""
-        self.plan = self.profile = None
-        if config.planned:
-            self.plan, self.profile = plan_for(module, example_inputs, as_factory(optimizer), config, self.device,
-                                                self.comm, self.world_comm, leaves=self.leaves)
-            # The config that runs: what the plan chose (its placement per chunk is applied below).
-            config = dataclasses.replace(config, offload=False, **self.plan.config())
+        world = join_world(module, config, device)
+        self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
+        self.transfer, self.leaves = world.transfer, world.leaves
+        planned = plan(module, optimizer, config, example_inputs, world)
+        config, self.plan, self.profile = planned.config, planned.plan, planned.profile
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
-        self.placement = Placement(optimizer_on_host=config.offload_optimizer,
-                                   params_on_host=config.offload_params)
-        self.dtype = config.dtype
-        self.stage = config.stage
-        return config
+        self.dtype, self.stage = config.dtype, config.stage
+        self._set_counters()
+        model, start = read_model(module, config, world, weights, init_fn)
+        self.params, self.names, self.shapes, self.state_keys = model.params, model.names, model.shapes, model.state_keys
+        self._casts = model.casts
+        parts = make_parts(optimizer, config, planned, world, model)
+        self.layout, self.cache, self.reducer, self.scaler, self.optim = \
+            parts.layout, parts.cache, parts.reducer, parts.scaler, parts.optim
+        pack(parts, model, start, planned, world)
+        del start  # the weights' reader and any values it held: free before the hooks go on
+        # The hooks live on the module and in autograd: they call the engine through weak methods,
+        # so a dropped engine does not live on in them.
+        on = EngineCalls(weak_method(self.zero_grad), weak_method(self._leaf_backward_done),
+                         weak_method(self._before_load), weak_method(self._grad_arrived))
+        installed = install_hooks(module, config, world, model, parts, on)
+        self.hooks, self.loading, self._arrivals, self.saved = \
+            installed.hooks, installed.loading, installed.arrivals, installed.saved
+        self._grad_arrived_hook = on.grad_arrived
+        self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
+        if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
+            weakref.finalize(self, self._arrivals.settle)
+        self._follow_schedule()
 
     def _set_counters(self) -> None:
         self.phase = TrainingPhase.IDLE
@@ -119,96 +79,6 @@ class Engine:
         self.meter = StepMeter()
         self._step_hooks = collections.OrderedDict()  # RemovableHandle needs a weakly referable dict
         self.timeline = None  # a MemoryTimeline while record_memory() is on
-
-    def _read_model(self, module: nn.Module, config: Config, weights, init_fn) -> InitialValues:
-        """The parameters, their first values (weights, initialisers, or as built), buffers' dtype."""
-        self.params, self.names = list_parameters(module)
-        self.shapes = {id(p): local_shape(p) for p in self.params}  # what this rank stores of each
-        start = InitialValues(module, self.params, weights, init_fn, config.init_seed,
-                              config.allow_nonfinite_weights)
-        if self.tp is not None:
-            self.tp.sync_replicated(self.params)
-        start.check(self.world_comm)  # collective: a file a rank cannot read raises on every rank
-        cast_buffers(module, self.dtype, config.buffer_dtype)
-        self.state_keys = resolve_state(module, self.device)
-        self._casts = InputCasts(module, self.dtype) if self.dtype != torch.float32 and config.cast_forward_inputs \
-            else None
-        return start
-
-    def _make_parts(self, optimizer, config: Config) -> None:
-        """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
-        numels = [p.numel() for p in self.params]
-        cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
-        placement_of = (lambda i: self.placement) if self.plan is None else (lambda i: self.plan.placement(i, self.stage))
-        self.layout = ChunkLayout(self.names, self.shapes, stage=self.stage, comm=self.comm, dtype=self.dtype,
-                                  device=self.device, transfer=self.transfer, capacity=max(cap, max(numels)),
-                                  placement_of=placement_of,  # the config's placement, or the plan's per chunk
-                                  grad_dtype=config.grad_dtype)
-        self.cache = ChunkCache(self.comm, config.cache_chunks, config.prefetch)
-        self.reducer = GradientReducer(self.comm, self.stage, config.gradient_accumulation_steps)
-        self.scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
-        host = config.offload_optimizer or (self.plan is not None and any(self.plan.optimizer_on_host))
-        self._delayed = config.delay_update_after is not None
-        self.optim = ShardedOptimizer(optimizer or default_optimizer(host=host), self.comm, param_names=self.names,
-                                      stage=self.stage, dtype=self.dtype,
-                                      accumulation=config.gradient_accumulation_steps,
-                                      clip_grad_norm=config.clip_grad_norm, scaler=self.scaler,
-                                      delay_after=config.delay_update_after,
-                                      side_comm=self.comm.side_channel() if self._delayed else None,
-                                      nonfinite=config.nonfinite, measure_norm=config.grad_norm)
-        if config.check_order:
-            self.comm.enable_order_checks()
-
-    def _pack(self, start: InitialValues) -> None:
-        """The chunks, packed in first-use order (profiled, or as listed until the first step), and
-        filled with the first values."""
-        order = self.params if self.profile is None else [self.params[i] for i in self.profile.first_use]
-        self.layout.build(order, start.fill, broadcast=start.broadcast)
-        start.finish(self.world_comm, self.params, self.chunks, self.device)
-        self.cache.set_chunks(self.chunks)
-        self.optim.attach(self.chunks)
-
-    def _install_hooks(self, module: nn.Module, config: Config) -> None:
-        """Stage-3 hooks, the module's own API (zero_grad, generate, moves, load_state_dict), the
-        stage 1-2 arrival hooks, gradient hooks and saved-tensor hooks."""
-        self.hooks = None
-        if self.stage == 3:
-            if self.leaves and self.comm.rank == 0:
-                log.info("stage 3 gathers these modules whole (leaf_modules): %s",
-                         ", ".join(sorted({type(m).__name__ for m in self.leaves})))
-            self.hooks = Stage3Hooks(module, self.cache, self.layout.chunks_of, self.names, self.shapes, self.dtype,
-                                     on_borrow=self.layout.forget, leaves=self.leaves,
-                                     on_leaf_backward=weak_method(self._leaf_backward_done))
-            hooks = self.hooks
-            self.layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
-            self.reducer.count_at_leaf_end(p for leaf in self.leaves for _, p in self.hooks.params_of(leaf))
-        route_zero_grad(module, weak_method(self.zero_grad))
-        if (self.stage == 3 and self.comm.world > 1) or self.tp is not None:  # a forward is a collective
-            sync_generation(module)
-        guard_moves(module, lambda layout=self.layout: layout.chunks)
-        guard_grad_readers(list(self.params) + ([t for ts in self.hooks.placeholders.values() for _, t in ts]
-                                                if self.hooks else []))
-        layout = self.layout  # the hooks below live on the module: no reference to the engine itself
-        self.loading = StateDictLoading(module, self.hooks.direct_real if self.hooks else direct_params,
-                                        lambda: layout.slot_of, self.hooks, weak_method(self._before_load))
-        self._arrivals = ArrivalHooks(module, self.layout.chunks_of) \
-            if self.stage in (1, 2) and (self.comm.world > 1 or self._delayed) else None
-        if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
-            weakref.finalize(self, self._arrivals.settle)
-        # A dropped engine must not live on in autograd: a weak method. Parameters unfrozen later get
-        # it then (_follow_requires_grad).
-        self._grad_arrived_hook = weak_method(self._grad_arrived)
-        self._unhooked = [p for p in self.params if not p.requires_grad]
-        for p in self.params:
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
-        # The prefetch schedule is recorded over the first micro-batch that runs entirely on the
-        # final packing (layout.py: chunks are re-packed in order of first use after the first).
-        self.layout.record_first_use(module, self.leaves)
-        partition = PartitionedActivations(self.tp.comm, self.transfer, config.offload_activations) \
-            if config.partition_activations else None
-        self.saved = SavedTensorHooks(self.device, self.transfer, self.hooks, lambda: self.chunks,
-                                      config.offload_activations, partition)
 
     def _follow_schedule(self) -> None:
         """Record the chunk sequence over the first micro-batch, or follow the profiled one."""
@@ -234,8 +104,7 @@ class Engine:
         if self.phase is TrainingPhase.BACKWARD:  # a plain loss.backward() raised half-way
             log.warning("the previous backward was interrupted; its reductions are abandoned")
             self._abandon_backward()
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: forward called while the engine is in {self.phase.value}")
+        self._expect_idle("forward")
         if torch.is_grad_enabled():
             self._follow_requires_grad()
         self.comm.at(pass_index=self.micro_steps)
@@ -427,8 +296,7 @@ class Engine:
         Returns True when an update was applied (False between boundaries, or when a non-finite
         gradient skipped it: fp16 overflow, config nonfinite='skip'; nonfinite='raise' raises
         NonFiniteError instead)."""
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: step() called while the engine is in {self.phase.value}")
+        self._expect_idle("step()")
         if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
             return False  # no backward since the last step: torch changes no parameter without a .grad
         self.comm.agree(STEP)  # a rank a micro-batch or a step apart raises here or in its peers' hooks
@@ -460,35 +328,10 @@ class Engine:
             hook(self, self.stats())
         return applied
 
-    def apply_delayed_update(self) -> None:
-        """With `delay_update_after`: apply the update in flight now (checkpoints and state dicts do
-        this first; call it before evaluating or exporting the model by other means)."""
-        self.optim.land()
-        self._settle()
-
-    def _before_load(self) -> bool:
-        """model.load_state_dict is about to write parameters (module_state.py): whether its hooks
-        should write the chunks (not inside full_parameters(), whose exit writes them back)."""
-        if self.phase is TrainingPhase.FULL_PARAMETERS:
-            return False
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: load_state_dict called while the engine is in {self.phase.value}")
-        self.apply_delayed_update()
-        if self.stage == 3:
-            self.cache.flush()
-        return True
-
-    def _settle(self) -> None:
-        """Wait for every chunk still arriving (ArrivalHooks)."""
-        if self._arrivals is not None:
-            self._arrivals.settle()
-        self.optim.await_arrivals()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step, as optimizer.zero_grad() does in torch
         (step() clears them itself). `model.zero_grad()` on the wrapped model calls this."""
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: zero_grad() called while the engine is in {self.phase.value}")
+        self._expect_idle("zero_grad()")
         if self.grads_pending or any(c.slots_with_grad for c in self.optim.chunks):
             self.optim.zero_grads()
             self.reducer.cleared()
@@ -504,108 +347,3 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.optim.optimizer
-
-    # -- state and numbers ---------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
-        values (and buffers as they are), on the CPU."""
-        from .state.checkpoint import full_state_dict
-        return full_state_dict(self)
-
-    def load_weights(self, path, strict: bool = True):
-        """Collective: load pretrained weights (a Hugging Face folder: model.safetensors or a sharded
-        model.safetensors.index.json; a .safetensors file; a `zeroshard export` output) into the
-        masters and compute copies, each rank reading only the ranges it keeps (pretrained.py).
-        Keys are matched as load_state_dict matches them (tied weights, transformers' ignorable keys
-        and base-model prefix included); with `strict`, anything missing or unexpected, and always a
-        shape mismatch, raises WeightsError on every rank before anything is written. Optimizer state
-        is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
-        from .state.pretrained import load_weights
-        if not self._before_load():
-            raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
-        return load_weights(self, path, strict)
-
-    def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
-                        submodule: str = "") -> str:
-        """Collective: write the model as a folder `from_pretrained` opens: its weights as
-        model.safetensors, or files of at most `max_shard_size` (bytes, or '5GB') with
-        model.safetensors.index.json, and the model's transformers config. Values are the fp32
-        masters (`dtype` converts floating ones), tied weights written once; streamed a chunk at a
-        time, file i written by rank i mod world, so no rank holds the model (pretrained.py).
-        `submodule`: write only that submodule (e.g. "model", the transformers model inside a
-        LightningModule), its keys without the prefix, with its config. A peft model (LoRA) writes
-        its adapters in peft's own format instead, gathering only the chunks that hold them
-        (PeftModel.from_pretrained opens the folder). Returns the folder."""
-        from .state.pretrained import save_pretrained
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: save_pretrained called while the engine is in {self.phase.value}")
-        self.apply_delayed_update()
-        if self.stage == 3:
-            self.cache.flush()
-        return save_pretrained(self, path, max_shard_size, dtype, submodule)
-
-    def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None,
-                        keep: int | None = None, omit_pending_grads: bool = False) -> str:
-        """Collective: save everything training needs to resume, and `client_state` (rank 0's dict),
-        as checkpoint `tag` (default `step<N>`) in directory `root`, atomically; saving to an
-        existing tag writes a new version, which readers see whole or not at all (checkpoint.py).
-        With tensor parallelism, each TP rank's local shards go to root/tp<r>-of-<N>.
-        `keep`: then remove all but the newest `keep` checkpoints in root. Call it after step():
-        gradients accumulated since the last step would not be in it, so it raises CheckpointError
-        then, unless `omit_pending_grads` (the state as of the last step is saved and the gradients
-        stay in memory, as Lightning's checkpoints mid-window do). Returns the checkpoint's path."""
-        from .state.checkpoint import save
-        if self.tp is not None:  # each TP rank's data-parallel group saves its local shards apart
-            root = self.tp.checkpoint_root(root)
-        return save(self, root, tag, client_state, keep, omit_pending_grads)
-
-    def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
-        """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
-        checking its files, model and optimizer (CheckpointError before anything changes otherwise).
-        With tensor parallelism, a checkpoint of the same TP degree (any data-parallel size, stage
-        or chunk size). Returns the saved `client_state` ({} if none)."""
-        from .state.checkpoint_load import load
-        if self.tp is not None:
-            path = self.tp.checkpoint_path(path)
-        return load(self, path, tag, load_optimizer)
-
-    @contextlib.contextmanager
-    def full_parameters(self, writeback: bool = True):
-        """Collective context manager: inside it every parameter of the module holds its whole fp32
-        value (from the masters), at every stage, so the module's own API works as on an unwrapped
-        model: `model.state_dict()`, `save_pretrained`, reading or editing weights in place. On exit,
-        with `writeback`, the values are written back into the masters and the compute copies (as
-        `model.load_state_dict` writes them). Holds the whole model in fp32 on every rank while open;
-        no forward, backward or step inside it (FSDP's summon_full_params, DeepSpeed's
-        GatheredParameters)."""
-        if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
-        with full_parameters(self, writeback):
-            self.phase = TrainingPhase.FULL_PARAMETERS
-            try:
-                yield
-            finally:
-                self.phase = TrainingPhase.IDLE
-
-    def record_memory(self, steps: int | None = 1) -> MemoryTimeline:
-        """Record this rank's memory (bytes, by kind: timeline.py) over the next `steps` optimizer
-        steps (None: until `.stop()`). Returns the timeline (also `engine.timeline`)."""
-        if self.timeline is not None:
-            self.timeline.stop()
-        self.timeline = MemoryTimeline(self, steps)
-        return self.timeline
-
-    def model_state_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Bytes of model states this rank keeps between steps, by kind and by device (stats.py)."""
-        return model_state_bytes(self.chunks, self.optim)
-
-    def stats(self) -> dict:
-        """Figures of the last optimizer step, key by key in stats.py."""
-        return dict(self._stats)
-
-    def register_step_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
-        """`hook(engine, stats)` runs on every rank after each step() at an accumulation boundary
-        (applied or skipped), with that step's stats(): for a logger (`handle.remove()` stops it)."""
-        handle = torch.utils.hooks.RemovableHandle(self._step_hooks)
-        self._step_hooks[handle.id] = hook
-        return handle

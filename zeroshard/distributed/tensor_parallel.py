@@ -1,7 +1,7 @@
 """Tensor parallelism beside ZeRO: zeroshard over a 2D device mesh (ZeRO-R's partitioned activations,
 P_a, are in runtime/partitioned_activations.py).
 
-Vocabulary:
+How it composes with ZeRO (mesh, local shard, replicated parameter: docs/vocabulary.md):
 - mesh: a 2D DeviceMesh with dimensions ("dp", "tp") (`device_mesh`). The model is split with
   PyTorch's tensor parallelism (`parallelize_module` over mesh["tp"]); zeroshard's chunks,
   reductions and gathers all run over mesh["dp"], so the ZeRO paper's volumes hold per

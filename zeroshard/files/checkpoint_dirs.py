@@ -1,7 +1,7 @@
 """A checkpoint root on disk: tags, their versions, `latest`, atomic commits, pruning, and the
 readers' leases that pruning respects. Nothing here knows what a checkpoint holds (checkpoint.py).
 
-Vocabulary:
+How the root is kept (root, tag, version, lease: docs/vocabulary.md):
 - root: the directory given to `save_checkpoint`. It holds, per checkpoint tag (default
   `step<N>`), a symbolic link `<tag>` to that tag's current *version*, a directory
   `<tag>.v-<id>`, and `latest`, a small file naming the newest complete tag.

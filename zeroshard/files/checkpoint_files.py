@@ -3,9 +3,9 @@ JSON, tensors read weights_only), pieces of tensors as DCP boxes, checksums, and
 files, each refusal a CheckpointError. checkpoint.py saves and checkpoint_load.py loads the engine's
 state through them; export.py reads a checkpoint's model through them.
 
-Vocabulary (root, tag, version, lease: checkpoint_dirs.py):
-- piece: the elements of one parameter (or of one elementwise optimizer state) that lie in this
-  rank's shard of a chunk: a run of the parameter's row-major elements. DCP stores tensors as boxes,
+How pieces and files are written (root, tag, version, lease, piece: docs/vocabulary.md):
+- a piece (or one of an elementwise optimizer state) is a run of the parameter's row-major
+  elements. DCP stores tensors as boxes,
   so a piece goes to DCP as the few boxes its run covers (whole rows in the middle, part rows at the
   ends). Keys and shapes are the model's own, as in `model.state_dict()`; the checkpoint knows nothing
   of chunks, which is what makes it topology-independent.

@@ -2,7 +2,7 @@
 matched to a model's state_dict keys, with every check of a file's contents (pretrained.py uses
 them, for initialize's `weights` and engine.load_weights).
 
-Vocabulary:
+How they are read (weight files, reading a range, matching: docs/vocabulary.md):
 - weight files: `model.safetensors`, or a sharded set named by `model.safetensors.index.json` (its
   `weight_map`: key -> file), in a folder; or one `.safetensors` file (a `zeroshard export` output is
   either). `WeightFiles` reads any of them as one key -> tensor map. An index may name only files in
@@ -252,7 +252,7 @@ def match(files: WeightFiles, module: nn.Module, state_keys: list[tuple[str, obj
     return out
 
 
-def agree(comm, problems: list[str], error=WeightsError, what: str = "") -> None:
+def raise_on_every_rank(comm, problems: list[str], error=WeightsError, what: str = "") -> None:
     """Collective: raise `error` on every rank if any rank has problems (listing every rank's)."""
     every = comm.all_gather_objects(problems)
     lines = list(dict.fromkeys(p for ps in every for p in ps))

@@ -16,7 +16,7 @@ LOGGED = ("step_time_s", "tokens_per_s", "samples_per_s", "skipped_steps", "mode
           "loss_scale")
 
 
-def settle(config, decided: dict, setting_of: dict, framework: str, agrees=lambda key, value: False,
+def reconcile(config, decided: dict, setting_of: dict, framework: str, agrees=lambda key, value: False,
            explicit: frozenset = frozenset()) -> Config:
     """The engine's config: `config` (any form load_config takes) with the keys the framework
     `decided`. A key the config sets (a key of a dict config, one in `explicit`, or any field away

@@ -46,7 +46,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import zeroshard
 from ..config import Config, load_config
-from . import LOGGED, EngineOptimizer, settle
+from . import LOGGED, EngineOptimizer, reconcile
 
 PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
              "16-true": "fp16"}
@@ -85,7 +85,7 @@ class ZeroShardStrategy(DDPStrategy):
     # -- set-up ----------------------------------------------------------------------------------------
     def _engine_config(self, trainer: "pl.Trainer") -> Config:
         """The strategy's config with what the Lightning Trainer decides; a config field that
-        contradicts it raises ValueError (settle)."""
+        contradicts it raises ValueError (reconcile)."""
         precision = PRECISION.get(str(self.precision_plugin.precision))
         if precision is None:
             raise ValueError(f"zeroshard: Lightning precision {self.precision_plugin.precision!r} is not supported; "
@@ -99,7 +99,7 @@ class ZeroShardStrategy(DDPStrategy):
             decided["precision"] = precision
         if trainer.gradient_clip_val:  # otherwise the config's clip_grad_norm stands
             decided["clip_grad_norm"] = float(trainer.gradient_clip_val)
-        return settle(self.zeroshard_config, decided, {"precision": "precision", "clip_grad_norm": "gradient_clip_val",
+        return reconcile(self.zeroshard_config, decided, {"precision": "precision", "clip_grad_norm": "gradient_clip_val",
                                                        "gradient_accumulation_steps": "accumulate_grad_batches"},
                       "the Lightning Trainer", explicit=self.explicit, agrees=lambda key, value:
                       key == "gradient_accumulation_steps" and value == trainer.accumulate_grad_batches)

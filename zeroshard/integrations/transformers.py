@@ -42,7 +42,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 
 import zeroshard
 from ..config import Config
-from . import LOGGED, EngineOptimizer, settle
+from . import LOGGED, EngineOptimizer, reconcile
 
 ENGINE_DIR = "zeroshard"  # inside a checkpoint-N folder: the engine's sharded checkpoint
 
@@ -54,7 +54,7 @@ def engine_config(config: Config | dict | str | None, args: transformers.Trainin
                "gradient_accumulation_steps": 1}
     if args.bf16 or args.fp16:  # otherwise the config's precision stands
         decided["precision"] = "bf16" if args.bf16 else "fp16"
-    cfg = settle(config, decided, {"precision": "bf16/fp16", "clip_grad_norm": "max_grad_norm",
+    cfg = reconcile(config, decided, {"precision": "bf16/fp16", "clip_grad_norm": "max_grad_norm",
                                    "gradient_accumulation_steps": "gradient_accumulation_steps"}, "TrainingArguments",
                  agrees=lambda key, value: key == "gradient_accumulation_steps" and value == args.gradient_accumulation_steps)
     if not (isinstance(config, dict) and "collective_timeout_s" in config) and \

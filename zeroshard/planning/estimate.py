@@ -1,7 +1,7 @@
 """Estimate: model-state bytes per device for ZeRO stages 0-3, with and without offload, before
 anything is built (the ZeRO paper's section 5 and Table 1).
 
-Vocabulary (per parameter, in bytes):
+Per parameter, in bytes (p, g, k: docs/vocabulary.md):
 - p: one copy of the parameters in the compute dtype (2 for bf16/fp16, 4 for fp32);
 - g: one copy of the gradients, in the compute dtype;
 - k: the optimizer's own bytes: its states (Adam 8, SGD with momentum 4, plain SGD 0) plus, in

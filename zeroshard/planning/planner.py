@@ -1,21 +1,22 @@
 """The planner (Elixir section 5): from a profile and the hardware, the chunk size, the number of
-rCache blocks and, chunk by chunk, whether the optimizer states live on the device or on the host.
+rCache size (cache_chunks) and, chunk by chunk, whether the optimizer states live on the device or on the host.
 
-Vocabulary (formulas in ../shared/notes/elixir-search.md, reworked for this runtime's data path):
+The terms (budget, loads, plan, cache_chunks: docs/vocabulary.md) as this planner computes them
+(formulas in ../shared/notes/elixir-search.md, reworked for this runtime's data path):
 - e_p: bytes per element in the compute dtype; Psi: parameter elements; N: ranks (world).
 - budget C: device bytes left for model states and the cache once the driver reserve, buffers and
   1.25x the profiled peak activations are set aside, times 0.95 (fragmentation).
 - layout: the chunks one chunk size gives, packed exactly as the engine packs them (trainable first,
   each group in order of first use, next-fit); waste = padding / padded size.
 - chunk sequence: the chunks that stage 3 gathers, in order, over one step (from the profile trace).
-- loads: gathers over a step with a cache of k blocks evicting by Belady's rule (farthest next use).
+- loads: gathers over a step with a cache of cache_chunks chunks evicting by Belady's rule (farthest next use).
 - device-optimizer chunk: its shard, gradient shard, fp32 master and optimizer states on the device
   (16 bytes per shard element with Adam). A host chunk keeps them all in host memory (stage 3: its
   16-bit shard too, uploaded on each gather), and steps on the CPU.
 
 The search: (1) chunk size: over candidate sizes, the one that moves the fewest bytes through a cache
-filling the budget (loads x size; within 1% of the least, the smallest size); (2) for each cache size k (all chunks cached
-is ZeRO-2; fewer is ZeRO-3 with an rCache of k blocks), put as many chunks' optimizer states on the
+filling the budget (loads x size; within 1% of the least, the smallest size); (2) for each cache size (all chunks cached
+is ZeRO-2; fewer is ZeRO-3 with an rCache of cache_chunks chunks), put as many chunks' optimizer states on the
 device as the memory left allows, the chunks that save the most time per byte first; predict the step
 time of each and keep the fastest that fits. Growing the cache and keeping optimizer states on the
 device compete for the same bytes; the comparison is made by predicted time, and reported as seconds
@@ -39,9 +40,9 @@ ACTIVATION_MARGIN = 1.25
 
 @dataclass(frozen=True)
 class Layout:
-    """Chunks of one capacity (elements), as the engine packs them."""
+    """Chunks of one chunk size (elements), as the engine packs them."""
 
-    capacity: int
+    chunk_size: int
     padded: tuple[int, ...]  # padded elements per chunk
     trainable: tuple[bool, ...]
     chunk_of: dict  # parameter index -> chunk index
@@ -53,8 +54,8 @@ class Layout:
         return (total - self.numel) / total if total else 0.0
 
 
-def layout(profile: Profile, capacity: int, world: int) -> Layout:
-    cap = max(capacity, max(p.numel for p in profile.params))
+def layout(profile: Profile, chunk_size: int, world: int) -> Layout:
+    cap = max(chunk_size, max(p.numel for p in profile.params))
     padded, trainable, chunk_of = [], [], {}
     for group in (True, False):
         order = [i for i in profile.first_use if profile.params[i].requires_grad == group]
@@ -78,8 +79,8 @@ def chunk_sequence(profile: Profile, lay: Layout) -> list[int]:
     return seq
 
 
-def belady_loads(seq: list[int], blocks: int, sizes=None) -> tuple[list[int], int]:
-    """Loads per chunk when `seq` runs through a cache of `blocks` chunks that starts empty and
+def belady_loads(seq: list[int], cache_chunks: int, sizes=None) -> tuple[list[int], int]:
+    """Loads per chunk when `seq` runs through a cache of `cache_chunks` chunks that starts empty and
     evicts the chunk whose next use is farthest away; and the most elements cached at once (given
     each chunk's `sizes`, elements)."""
     n = len(seq)
@@ -95,7 +96,7 @@ def belady_loads(seq: list[int], blocks: int, sizes=None) -> tuple[list[int], in
     for i, c in enumerate(seq):
         if c not in cached:
             loads[c] = loads.get(c, 0) + 1
-            if len(cached) >= blocks:
+            if len(cached) >= cache_chunks:
                 while True:
                     neg, victim = heapq.heappop(heap)
                     if cached.get(victim) == -neg:
@@ -111,8 +112,8 @@ def belady_loads(seq: list[int], blocks: int, sizes=None) -> tuple[list[int], in
     return [loads.get(c, 0) for c in range(n_chunks)], peak
 
 
-def min_cache_blocks(profile: Profile, lay: Layout) -> int:
-    """The fewest blocks stage 3 can run with: every chunk of one module, or of one checkpoint
+def min_cache_chunks(profile: Profile, lay: Layout) -> int:
+    """The smallest rCache (in chunks) stage 3 can run with: every chunk of one module, or of one checkpoint
     region, at once, plus one to prefetch into."""
     per_event = max((len({lay.chunk_of[i] for i in ev.params}) for ev in profile.trace), default=1)
     per_region = max((len({lay.chunk_of[i] for i in r.params}) for r in profile.checkpoint_regions), default=1)
@@ -255,13 +256,13 @@ class Planner:
             self.candidates = []
         self.layout = layout(profile, chunk_size, target.world)
         self.sequence = chunk_sequence(profile, self.layout)
-        self.k_min = min_cache_blocks(profile, self.layout)
+        self.min_cache_chunks = min_cache_chunks(profile, self.layout)
         self._loads: dict[int, list[int]] = {}
 
     # -- chunk size -------------------------------------------------------------------------------
     def search_chunk_size(self, candidates: int = 96) -> tuple[int, list[tuple[int, int, float]]]:
-        """The capacity (elements) that moves the fewest bytes through a cache filling the budget.
-        Returns it and every candidate as (capacity, bytes moved in elements, waste)."""
+        """The chunk size (elements) that moves the fewest bytes through a cache filling the budget.
+        Returns it and every candidate as (chunk size, bytes moved in elements, waste)."""
         p, world = self.profile, self.target.world
         smallest = _round_up(max(x.numel for x in p.params), world * ALIGN)
         sizes = sorted({_round_up(int(smallest * (1 + j / 32)), world * ALIGN) for j in range(candidates)})
@@ -269,13 +270,13 @@ class Planner:
         for size in _progress(sizes, "zeroshard: chunk sizes"):
             lay = layout(p, size, world)
             seq = chunk_sequence(p, lay)
-            blocks = self.cache_budget // max(lay.padded) - 2  # one block to prefetch into, one to reduce
-            if blocks < min_cache_blocks(p, lay):
-                blocks = min_cache_blocks(p, lay)  # does not fit: still rank the sizes by traffic
+            cache_chunks = self.cache_budget // max(lay.padded) - 2  # one chunk to prefetch into, one to reduce
+            if cache_chunks < min_cache_chunks(p, lay):
+                cache_chunks = min_cache_chunks(p, lay)  # does not fit: still rank the sizes by traffic
                 over = True
             else:
                 over = False
-            moved = sum(n * lay.padded[c] for c, n in enumerate(belady_loads(seq, blocks)[0]))
+            moved = sum(n * lay.padded[c] for c, n in enumerate(belady_loads(seq, cache_chunks)[0]))
             results.append((size, moved, lay.waste, over))
         fitting = [r for r in results if not r[3]] or results
         least = min(r[1] for r in fitting)
@@ -285,24 +286,24 @@ class Planner:
         return best[0], [r[:3] for r in results]
 
     # -- one configuration ---------------------------------------------------------------------------
-    def loads(self, blocks: int) -> list[int]:
-        return self._simulate(blocks)[0]
+    def loads(self, cache_chunks: int) -> list[int]:
+        return self._simulate(cache_chunks)[0]
 
-    def _simulate(self, blocks: int) -> tuple[list[int], int]:
-        """(loads per chunk, most elements cached at once) with a cache of `blocks` chunks."""
-        if blocks not in self._loads:
-            self._loads[blocks] = belady_loads(self.sequence, blocks, self.layout.padded)
-        return self._loads[blocks]
+    def _simulate(self, cache_chunks: int) -> tuple[list[int], int]:
+        """(loads per chunk, most elements cached at once) with a cache of `cache_chunks` chunks."""
+        if cache_chunks not in self._loads:
+            self._loads[cache_chunks] = belady_loads(self.sequence, cache_chunks, self.layout.padded)
+        return self._loads[cache_chunks]
 
-    def evaluate(self, name: str, stage: int, blocks: int | None, on_host: list[bool]) -> Plan:
-        """Predicted memory and time of one configuration. `blocks`: rCache blocks (stage 3)."""
+    def evaluate(self, name: str, stage: int, cache_chunks: int | None, on_host: list[bool]) -> Plan:
+        """Predicted memory and time of one configuration. `cache_chunks`: the rCache size in chunks (stage 3)."""
         lay, t, hw, e_p = self.layout, self.target, self.target.hardware, self.e_p
         n = t.world
         dev = host = 0
         moved_params = 0.0  # elements all-gathered per step
         uploads = grads_down = steps_up = 0.0  # bytes per step
         host_el = dev_el = 0
-        loads = self.loads(blocks) if stage == 3 else [1] * len(lay.padded)
+        loads = self.loads(cache_chunks) if stage == 3 else [1] * len(lay.padded)
         for c, size in enumerate(lay.padded):
             s = size // n
             off = on_host[c] and lay.trainable[c]
@@ -325,7 +326,7 @@ class Planner:
                     dev_el += s
             moved_params += loads[c] * size
         largest = sorted(lay.padded, reverse=True)
-        cache = self._simulate(blocks)[1] * e_p if stage == 3 else 0
+        cache = self._simulate(cache_chunks)[1] * e_p if stage == 3 else 0
         transient = 2 * largest[0] * e_p  # full gradients of chunks whose reduce-scatter is in flight
         frac = (n - 1) / n
         grad_bytes = sum(lay.padded[c] for c in range(len(lay.padded)) if lay.trainable[c]) * e_p
@@ -344,7 +345,7 @@ class Planner:
         time = StepTime(compute=compute, exposed_transfers=exposed + post, device_step=dev_el / hw.device_adam,
                         cpu_step=host_el * t.ranks_per_host / hw.host_adam,
                         model_collectives=self.profile.collective_bytes * t.accumulation / hw.link)
-        return Plan(name=name, stage=stage, chunk_size=lay.capacity, cache_chunks=blocks if stage == 3 else None,
+        return Plan(name=name, stage=stage, chunk_size=lay.chunk_size, cache_chunks=cache_chunks if stage == 3 else None,
                     optimizer_on_host=tuple(bool(x) and lay.trainable[i] for i, x in enumerate(on_host)),
                     waste=lay.waste, device_model_bytes=int(dev + cache), host_model_bytes=int(host),
                     transient_bytes=int(transient), activation_bytes=self.activation_bytes,
@@ -354,12 +355,12 @@ class Planner:
                     reserve=hw.reserve)
 
     # -- search -----------------------------------------------------------------------------------------
-    def _gain_per_byte(self, stage: int, blocks: int | None, c: int) -> float:
+    def _gain_per_byte(self, stage: int, cache_chunks: int | None, c: int) -> float:
         """Seconds saved per device byte by keeping chunk c's optimizer states on the device."""
         t, hw, e_p = self.target, self.target.hardware, self.e_p
         s = self.layout.padded[c] // t.world
         saved = s * t.ranks_per_host / hw.host_adam - s / hw.device_adam + t.accumulation * s * e_p / hw.d2h
-        saved += (self.loads(blocks)[c] * t.accumulation if stage == 3 else 1) * s * e_p / hw.h2d
+        saved += (self.loads(cache_chunks)[c] * t.accumulation if stage == 3 else 1) * s * e_p / hw.h2d
         cost = self._optimizer_side_bytes(stage, s, False) + (s * e_p if stage == 3 else 0)
         return saved / cost
 
@@ -370,21 +371,21 @@ class Planner:
         master = 0 if e_p == 4 and (stage == 3 or not on_host) else MASTER_BYTES * shard
         return shard * e_p + master + self.target.optimizer_state_bytes * shard
 
-    def _best_placement(self, name: str, stage: int, blocks: int | None, allow_offload: bool) -> Plan:
+    def _best_placement(self, name: str, stage: int, cache_chunks: int | None, allow_offload: bool) -> Plan:
         """With this cache, keep as many chunks' optimizer states on the device as fit, those that
         save the most time per byte first (device bytes grow with each, so bisect the count)."""
         n_chunks = len(self.layout.padded)
-        everything = self.evaluate(name, stage, blocks, [False] * n_chunks)
+        everything = self.evaluate(name, stage, cache_chunks, [False] * n_chunks)
         if everything.fits_device or not allow_offload:
             return everything
         order = sorted((c for c in range(n_chunks) if self.layout.trainable[c]),
-                       key=lambda c: -self._gain_per_byte(stage, blocks, c))
+                       key=lambda c: -self._gain_per_byte(stage, cache_chunks, c))
 
         def with_first(m: int) -> Plan:
             on_host = [True] * n_chunks
             for c in order[:m]:
                 on_host[c] = False
-            return self.evaluate(name, stage, blocks, on_host)
+            return self.evaluate(name, stage, cache_chunks, on_host)
 
         # Device bytes grow and host bytes shrink with m: the most chunks that fit the device is
         # also the placement that needs the least host memory.
@@ -410,8 +411,8 @@ class Planner:
         if 2 in stages:
             options.append(self._best_placement("plan", 2, None, offload))
         if 3 in stages:
-            for k in _progress(range(self.k_min, max(self.k_min, n_chunks - 1) + 1), "zeroshard: cache sizes"):
-                options.append(self._best_placement("plan", 3, k, offload))
+            for cache_chunks in _progress(range(self.min_cache_chunks, max(self.min_cache_chunks, n_chunks - 1) + 1), "zeroshard: cache sizes"):
+                options.append(self._best_placement("plan", 3, cache_chunks, offload))
         fitting = [p for p in options if p.fits]
         if fitting:
             best = min(fitting, key=lambda p: (p.time.total, p.device_bytes))
@@ -422,10 +423,10 @@ class Planner:
 
     def baselines(self) -> list[Plan]:
         n = len(self.layout.padded)
-        k = self.k_min
-        return [self.evaluate("ZeRO-2", 2, None, [False] * n), self.evaluate("ZeRO-3", 3, k, [False] * n),
+        cache_chunks = self.min_cache_chunks
+        return [self.evaluate("ZeRO-2", 2, None, [False] * n), self.evaluate("ZeRO-3", 3, cache_chunks, [False] * n),
                 self.evaluate("ZeRO-2 offload", 2, None, [True] * n),
-                self.evaluate("ZeRO-3 offload", 3, k, [True] * n)]
+                self.evaluate("ZeRO-3 offload", 3, cache_chunks, [True] * n)]
 
     def _tradeoff(self, p: Plan) -> list[str]:
         """Seconds saved per GiB: one more cache block versus one more chunk's optimizer on device."""

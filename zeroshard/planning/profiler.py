@@ -359,7 +359,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     args, kwargs = _split_inputs(example_inputs)
     args, kwargs = tree_map(lambda x: _to_meta(x, dtype), (args, kwargs))
 
-    # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' slots
+    # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' entries
     # for the whole step (backward re-runs checkpointed forwards); tied parameters share one copy.
     infos, index, meta_of = [], {}, {}
     for name, p in model.named_parameters():
@@ -370,8 +370,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         infos.append(ParamInfo(name, math.prod(shape), tuple(shape), p.requires_grad))
     swaps, buffer_bytes, tied_numel = [], 0, 0
     for m in model.modules():
-        for slots, is_param in ((m._parameters, True), (m._buffers, False)):
-            for n, t in slots.items():
+        for entries, is_param in ((m._parameters, True), (m._buffers, False)):
+            for n, t in entries.items():
                 if t is None:
                     continue
                 if is_param:
@@ -380,7 +380,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
                 else:
                     buffer_bytes += t.numel() * t.element_size()
                     new = _to_meta(t, t.dtype)
-                swaps.append((slots, n, t, new))
+                swaps.append((entries, n, t, new))
     tied_numel -= sum(i.numel for i in infos)
     known = {local(new).untyped_storage()._cdata for *_, new in swaps}
     known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
@@ -449,8 +449,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     live = _LiveBytes(known)
     was_training = model.training
     model.train()
-    for slots, n, _, new in swaps:
-        slots[n] = new
+    for entries, n, _, new in swaps:
+        entries[n] = new
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live, \
                 _AttentionAsOnDevice(torch.device(device)):
@@ -464,8 +464,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     finally:
         for h in handles:
             h.remove()
-        for slots, n, old, _ in swaps:
-            slots[n] = old
+        for entries, n, old, _ in swaps:
+            entries[n] = old
         model.train(was_training)
 
     first_use = list(first_seen) + [i for i in range(len(infos)) if i not in first_seen]

@@ -4,7 +4,7 @@ A chunk in use by a running module (forward) or a module whose backward is pendi
 never evicted. When a new chunk must be gathered and the cache is full, an unpinned chunk is
 released: the one whose next use in the recorded sequence is farthest away (Belady's rule), or the
 least recently used one while the sequence is still being recorded. If every cached chunk is pinned
-the cache grows past its capacity rather than deadlock, and `overflows` counts it.
+the cache grows past its cache_chunks rather than deadlock, and `overflows` counts it.
 
 Prefetch: the sequence of chunk uses (forward then backward) comes from the profiler when the
 planner runs (offload/stage 'auto'), else it is recorded over the first training step. Steps follow
@@ -29,9 +29,9 @@ log = logging.getLogger("zeroshard")
 
 
 class ChunkCache:
-    def __init__(self, comm, capacity: int | None, prefetch: bool):
+    def __init__(self, comm, cache_chunks: int | None, prefetch: bool):
         self.comm = comm
-        self.capacity = capacity
+        self.cache_chunks = cache_chunks
         self.prefetch_enabled = prefetch
         self.cached: OrderedDict[int, Chunk] = OrderedDict()  # gathered or gathering, LRU first
         self.pins: dict[int, int] = {}
@@ -99,8 +99,8 @@ class ChunkCache:
         self._maybe_prefetch()
 
     def release(self, chunk: Chunk) -> None:
-        """Unpin; the chunk stays cached until evicted or flushed. With a capacity of one use per
-        chunk (the minimum), a fully unpinned cache over capacity frees at once."""
+        """Unpin; the chunk stays cached until evicted or flushed. With a cache_chunks of one use per
+        chunk (the minimum), a fully unpinned cache over cache_chunks frees at once."""
         n = self.pins[chunk.index] - 1
         if n:
             self.pins[chunk.index] = n
@@ -118,7 +118,7 @@ class ChunkCache:
 
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:
-        """Gather on demand: make room if possible, else go over capacity (counted)."""
+        """Gather on demand: make room if possible, else go over cache_chunks (counted)."""
         if not self._make_room(1):
             self.overflows += 1
         self._start_gather(chunk)
@@ -148,18 +148,18 @@ class ChunkCache:
         return pos[k] if k < len(pos) else float("inf")
 
     def _make_room(self, n: int) -> bool:
-        if self.capacity is None:
+        if self.cache_chunks is None:
             return True
         for i in self._evictable():
-            if len(self.cached) + n <= self.capacity:
+            if len(self.cached) + n <= self.cache_chunks:
                 break
             self._evict(i)
-        return len(self.cached) + n <= self.capacity
+        return len(self.cached) + n <= self.cache_chunks
 
     def _shrink(self) -> None:
-        if self.capacity is not None:
+        if self.cache_chunks is not None:
             for i in self._evictable():
-                if len(self.cached) <= self.capacity:
+                if len(self.cached) <= self.cache_chunks:
                     break
                 self._evict(i)
 
@@ -204,5 +204,5 @@ class ChunkCache:
         j = self.cursor
         if j >= len(sched) or sched[j] in self.cached:
             return
-        if self._make_room(1):  # a prefetch never goes over capacity
+        if self._make_room(1):  # a prefetch never goes over cache_chunks
             self._start_gather(self.chunks_by_index[sched[j]])

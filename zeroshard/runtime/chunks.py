@@ -1,27 +1,7 @@
 """Chunks: parameters packed into flat buffers, each sharded evenly over the ranks.
 
-Vocabulary (used in names, logs and errors throughout zeroshard):
-- chunk: a flat buffer holding several whole parameters back to back, in order of first use.
-- padded numel: the chunk's length rounded up so that it splits into `world` equal shards.
-- shard: rank r's slice [r*s, (r+1)*s) of a chunk, s = padded numel / world.
-- owned range: the part of a chunk whose optimizer update this rank computes: the whole chunk at
-  stage 0, the rank's shard at stages 1-3.
-- full: the whole chunk in compute dtype; params are views into it. Persistent at stages 0-2; at
-  stage 3 it exists only while the chunk is GATHERED (or GATHERING).
-- master: the fp32 copy of the owned range that the optimizer updates. In fp32 training it *is* the
-  owned range of the compute storage (no copy).
-- master piece: the part of one parameter's master that lies in the owned range, as a tensor of its
-  own (aliasing the master) that the user's optimizer steps: each parameter keeps its own param
-  group, state and step count, and one that got no gradient is not stepped, as in torch.
-- grad full / grad shard: gradients of the whole chunk in compute dtype, and this rank's reduced
-  slice of them.
-
-- placement: whether the master + optimizer states, and (stage 3) the shard, live on the host
-  (offload.py); with the optimizer on the host the reduced gradient is moved there too.
-- arriving: an update on its way into a chunk, not waited for yet (stages 1-2: its all-gather after
-  a step; with the delayed update: the upload into its shard); the chunk's first use waits for it.
-- tag: what a collective is (kind, chunk index, micro-batch), compared across ranks before it is
-  issued, so that ranks whose call order diverged raise DivergedError (ordering.py).
+The words (chunk, chunk size, slot, shard, owned range, full, master, piece, arriving, placement,
+order tag) are defined in docs/vocabulary.md.
 
 Stage 3 chunk states: SHARDED -> GATHERING (an async all-gather in flight) -> GATHERED -> SHARDED.
 Gradient states within one backward pass: ACCUMULATING -> REDUCING (a reduction in flight) ->
@@ -51,19 +31,19 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def pack(numels: list[int], capacity: int) -> list[list[tuple[int, int]]]:
+def pack(numels: list[int], chunk_size: int) -> list[list[tuple[int, int]]]:
     """Assign parameters (given by size, in order of first use) to chunks.
 
-    Next-fit in order: a parameter joins the current chunk if it fits in `capacity` elements
+    Next-fit in order: a parameter joins the current chunk if it fits in `chunk_size` elements
     (offsets aligned to ALIGN), else opens a new one; a parameter never straddles two chunks, and one
-    larger than `capacity` gets a chunk of its own. Returns, per chunk, (index into `numels`, offset
+    larger than `chunk_size` gets a chunk of its own. Returns, per chunk, (index into `numels`, offset
     in elements) of each parameter in it.
     """
     chunks: list[list[tuple[int, int]]] = []
     used = 0
     for i, n in enumerate(numels):
         start = _round_up(used, ALIGN)
-        if not chunks or start + n > capacity:
+        if not chunks or start + n > chunk_size:
             chunks.append([(i, 0)])
             used = n
         else:
@@ -81,7 +61,7 @@ EFFICIENT_CHUNK = 1 << 22  # elements
 
 
 def auto_chunk_size(numels: list[int]) -> int:
-    """Default chunk capacity (elements) until the Elixir search picks one: about an eighth of the
+    """Default chunk size (elements) until the Elixir search picks one: about an eighth of the
     model but at least EFFICIENT_CHUNK (a model smaller than that is one chunk), at most 64M
     elements, and never smaller than the largest parameter."""
     if not numels:

@@ -2,7 +2,7 @@
 the first-use order of parameters is recorded (every stage).
 
 Stage 3 lifecycle of one module call:
-  forward pre-hook   acquire (gather + pin) the module's chunks; put the real parameters in its slots
+  forward pre-hook   acquire (gather + pin) the module's chunks; put the real parameters in its entries
   forward post-hook  put placeholders back; unpin; register a pre-backward hook on the outputs
   pre-backward       acquire the chunks again and *hold* them for this module's backward
   gradient arrival   once every trainable direct parameter of the module has its gradient, the hold
@@ -270,7 +270,7 @@ class Stage3Hooks:
         return self.real[unit] + [(n, p) for _, n, p in self.borrowed.get(unit, ())]
 
     def direct_real(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        """A module's own parameters (the real ones, whatever its slots hold now)."""
+        """A module's own parameters (the real ones, whatever its entries hold now)."""
         return self.direct[module]
 
     def borrow(self, placeholder: ShardedPlaceholder) -> nn.Parameter | None:
@@ -300,7 +300,7 @@ class Stage3Hooks:
                 owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
 
     def show_real_parameters(self, real: bool) -> None:
-        """Put the real parameters in every module's slots (True), or the placeholders back."""
+        """Put the real parameters in every module's entries (True), or the placeholders back."""
         for unit in self.units:
             self._swap(unit, real)
 

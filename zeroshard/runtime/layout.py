@@ -1,7 +1,6 @@
 """The chunk layout: which chunk each parameter lives in, and whether that may still change.
 
-Vocabulary: the layout is the list of chunks (chunks.py) in packing order, with each parameter's
-slot. Chunks are first packed in module order; the first training forward records the order of
+The layout is the list of chunks in packing order, with each parameter's slot (docs/vocabulary.md). Chunks are first packed in module order; the first training forward records the order of
 first use (hooks.FirstUseRecorder), and the engine re-packs once if it differs, so that stage 3
 gathers chunks in the order the model needs them. After that (or from the start, when a profile or a
 checkpoint gave the order) the layout is *final*: chunks never move again.
@@ -36,7 +35,7 @@ def list_parameters(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, st
 
 def resolve_state(module: nn.Module, device: torch.device) -> list[tuple[str, object]]:
     """The keys of the module's own state_dict with their objects, resolved now, before stage 3
-    swaps parameter slots (checkpoints name things by them); buffers are moved onto `device`."""
+    swaps the modules' parameter entries (checkpoints name things by them); buffers are moved onto `device`."""
     for name, b in module.named_buffers():
         owner, _, leaf = name.rpartition(".")
         module.get_submodule(owner)._buffers[leaf] = b.to(device)
@@ -48,11 +47,11 @@ class ChunkLayout:
     module's direct parameters even while stage 3 has placeholders in their place."""
 
     def __init__(self, names: dict[int, str], shapes: dict[int, torch.Size], *, stage: int,
-                 comm: Comm, dtype: torch.dtype, device: torch.device, transfer: Transfer, capacity: int,
+                 comm: Comm, dtype: torch.dtype, device: torch.device, transfer: Transfer, chunk_size: int,
                  placement_of: Callable[[int], Placement], grad_dtype: torch.dtype | None = None):
         self.names, self.shapes = names, shapes
         self.stage, self.comm, self.dtype, self.device, self.transfer = stage, comm, dtype, device, transfer
-        self.capacity = capacity  # elements per chunk (raised to the largest parameter)
+        self.chunk_size = chunk_size  # elements per chunk (raised to the largest parameter)
         self.grad_dtype = grad_dtype or dtype
         self.placement_of = placement_of
         self.real_params: Callable[[nn.Module], list] = direct_params  # see read_params_with
@@ -77,7 +76,7 @@ class ChunkLayout:
             self.trainable.setdefault(id(p), p.requires_grad)
         for trainable in (True, False):
             group = [p for p in order if self.trainable[id(p)] == trainable]
-            for placed in pack([self.shapes[id(p)].numel() for p in group], self.capacity):
+            for placed in pack([self.shapes[id(p)].numel() for p in group], self.chunk_size):
                 slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
                               self.shapes[id(group[i])]) for i, off in placed]
                 prepare(slots)

@@ -2,7 +2,7 @@
 that keep that tensor, so that no rank ever holds the whole model (DeepSpeed's zero.Init, FSDP2's
 meta-device construction).
 
-Vocabulary:
+How it works (meta model, initialiser path, materialising: docs/vocabulary.md):
 - meta model: a model whose parameters and/or buffers are on torch's meta device (shapes and
   dtypes, no storage), as `with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)`
   builds it. Tensors already on a real device keep their values.
@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import UninitializedTensorError, WeightsError
-from ..files.weight_files import WeightFiles, agree, match
+from ..files.weight_files import WeightFiles, raise_on_every_rank, match
 from ..distributed.tensor_parallel import as_dtensor, local, region, shard_of
 
 log = logging.getLogger("zeroshard")
@@ -125,7 +125,7 @@ class MetaInit:
         While the initialisers run, every other tensor of the model is on meta (real ones, such as
         buffers already given their values, are swapped for meta stand-ins): what they write
         elsewhere is lost and draws no random numbers, so the tensor's value depends on nothing but
-        its own initialisers and seeds, and nothing else changes. Every module's slots are restored
+        its own initialisers and seeds, and nothing else changes. Every module's parameter and buffer entries are restored
         afterwards, whatever the initialisers put in them."""
         owner_name, _, leaf = name.rpartition(".")
         owner = self._modules[owner_name]
@@ -248,7 +248,7 @@ class InitialValues:
         """Collective with weights: raise WeightsError on every rank if any rank cannot read them;
         then give the buffers their values."""
         if self.weights is not None:
-            agree(comm, self.problems, what=f"cannot load {self.weights}:")
+            raise_on_every_rank(comm, self.problems, what=f"cannot load {self.weights}:")
         if self.files is not None and comm.rank == 0 and (self.missing or self.unexpected):
             log.warning("%s: %d tensors not in the file keep the model's values (initialised, on the meta "
                         "device: %s); %d keys in the file are not in the model (%s)", self.weights,
@@ -303,9 +303,9 @@ class InitialValues:
         WeightsError or UninitializedTensorError on every rank if any rank failed to read or to
         initialise a tensor; then point the (former meta) parameters at the chunks."""
         if self.files is not None:
-            agree(comm, self.read_errors, what=f"reading {self.weights} failed:")
+            raise_on_every_rank(comm, self.read_errors, what=f"reading {self.weights} failed:")
         if self.init is not None:
-            agree(comm, self.init.errors, error=UninitializedTensorError,
+            raise_on_every_rank(comm, self.init.errors, error=UninitializedTensorError,
                   what="some tensors of the model, built on the meta device, could not be initialised:")
         if self.meta:
             leave_meta(params, device)

@@ -1,15 +1,8 @@
 """Offload: which model states live in host memory, and the one layer that moves bytes between the
 host and the device.
 
-Vocabulary:
-- device: where the model computes (a GPU, or the CPU on a machine without one).
-- host: CPU memory. With CUDA, host buffers are pinned so copies run asynchronously on a side
-  stream, overlapped with compute; without CUDA, host and device are both CPU memory and the same
-  code still makes (and counts) every copy, so placement logic is tested on any machine.
-- placement: per chunk, whether its optimizer (fp32 master + optimizer states, and the step) and its
-  16-bit parameter shard live on the host. The config sets one placement for every chunk; Elixir's
-  planner (later) chooses chunk by chunk.
-- d2h / h2d: device-to-host and host-to-device copies, counted in bytes per step.
+Device, host, placement, d2h/h2d: docs/vocabulary.md. The config sets one placement for every
+chunk; the planner (planning/planner.py) chooses chunk by chunk.
 
 ZeRO-Offload's data path through this module: a chunk's reduced gradient goes d2h as soon as its
 reduction is done (during backward); the optimizer step runs on the host chunk by chunk, and each

@@ -18,14 +18,14 @@ from .offload import Pending, Transfer
 
 
 class Partitioned:
-    """A saved activation kept 1/MP on this rank: `piece` (a host Pending with P_a+cpu) is this
-    rank's 1/MP of the flattened tensor, zero-padded to equal parts. `whole`: the tensor gathered
+    """A saved activation kept 1/MP on this rank: `fragment` (a host Pending with P_a+cpu) is this
+    rank's 1/MP of the flattened tensor, zero-padded to equal parts. `full`: the tensor gathered
     again by the first unpack, kept for the other operations that saved the same tensor (autograd
     drops this object, and it, after the last of them)."""
-    __slots__ = ("piece", "shape", "numel", "whole", "__weakref__")
+    __slots__ = ("fragment", "shape", "numel", "full", "__weakref__")
 
-    def __init__(self, piece, shape: torch.Size, numel: int):
-        self.piece, self.shape, self.numel, self.whole = piece, shape, numel, None
+    def __init__(self, fragment, shape: torch.Size, numel: int):
+        self.fragment, self.shape, self.numel, self.full = fragment, shape, numel, None
 
 
 _WEIGHTS = 61  # period of the position weights of the fingerprint
@@ -92,18 +92,18 @@ class PartitionedActivations:
         n, world = t.numel(), self.comm.world
         part = math.ceil(n / world)
         lo, hi = min(n, self.comm.rank * part), min(n, (self.comm.rank + 1) * part)
-        piece = torch.zeros(part, dtype=t.dtype, device=t.device)
-        piece[:hi - lo].copy_(t.detach().reshape(-1)[lo:hi])
+        fragment = torch.zeros(part, dtype=t.dtype, device=t.device)
+        fragment[:hi - lo].copy_(t.detach().reshape(-1)[lo:hi])
         self.partitioned_elements += part * world
-        return Partitioned(self.transfer.to_host(piece) if self.to_host else piece, t.shape, n)
+        return Partitioned(self.transfer.to_host(fragment) if self.to_host else fragment, t.shape, n)
 
     @torch.no_grad()
     def unpack(self, p: Partitioned) -> torch.Tensor:
         """Collective over the TP group (at the first unpack of `p`): the whole tensor again. Every
         TP rank unpacks the same tensors in the same order, so the gathers pair up."""
-        if p.whole is None:
-            piece = self.transfer.to_device(p.piece.tensor).wait() if isinstance(p.piece, Pending) else p.piece
-            full = torch.empty(piece.numel() * self.comm.world, dtype=piece.dtype, device=piece.device)
-            self.comm.all_gather(full, piece)
-            p.whole = full[:p.numel].view(p.shape)
-        return p.whole
+        if p.full is None:
+            fragment = self.transfer.to_device(p.fragment.tensor).wait() if isinstance(p.fragment, Pending) else p.fragment
+            full = torch.empty(fragment.numel() * self.comm.world, dtype=fragment.dtype, device=fragment.device)
+            self.comm.all_gather(full, fragment)
+            p.full = full[:p.numel].view(p.shape)
+        return p.full

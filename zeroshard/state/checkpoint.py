@@ -1,8 +1,7 @@
 """Checkpoints: every rank writes its own shards through torch.distributed.checkpoint (DCP); any world
 size, stage, chunk size or offload setting loads them, with no conversion step.
 
-Vocabulary (root, tag, version, lease: checkpoint_dirs.py; piece, the files of one checkpoint:
-checkpoint_files.py):
+What is written (root, tag, version, lease, piece, the files of one checkpoint: docs/vocabulary.md):
 - DCP keys: `model.<name>` (fp32 values of parameters: the masters, or frozen parameters widened;
   under their first name; and buffers),
   `optim.state.<name>.<state>` (e.g. exp_avg, step; a Python number as a 0-d tensor),

@@ -26,7 +26,7 @@ import torch.nn as nn
 from .export import StreamedSafetensors, remove_partials
 from ..distributed.tensor_parallel import region, whole_shape
 from ..errors import WeightsError
-from ..files.weight_files import INDEX, WEIGHTS, Match, WeightFiles, agree, match
+from ..files.weight_files import INDEX, WEIGHTS, Match, WeightFiles, raise_on_every_rank, match
 
 log = logging.getLogger("zeroshard")
 
@@ -42,7 +42,7 @@ def load_weights(engine, path, strict: bool = True) -> Match:
         problems = m.problems(strict)
     except WeightsError as e:
         problems = [str(e)]
-    agree(comm, problems, what=f"cannot load {os.fspath(path)}:")
+    raise_on_every_rank(comm, problems, what=f"cannot load {os.fspath(path)}:")
     params = {id(p) for p in engine.params}
     reads = []  # what this rank reads: (chunk, slot, lo, hi, file key), its held range of each parameter
     for c in engine.chunks:
@@ -65,7 +65,7 @@ def load_weights(engine, path, strict: bool = True) -> Match:
                 files.read_all(key)
             except Exception as e:  # noqa: BLE001
                 bad.append(str(e) if isinstance(e, WeightsError) else f"rank {comm.rank}: {type(e).__name__}: {e}")
-        agree(comm, bad, what=f"cannot load {os.fspath(path)} (nothing was written):")
+        raise_on_every_rank(comm, bad, what=f"cannot load {os.fspath(path)} (nothing was written):")
     failed = []
     try:
         for c, s, a, b, key in reads:
@@ -74,7 +74,7 @@ def load_weights(engine, path, strict: bool = True) -> Match:
             t.copy_(files.read_all(key))
     except Exception as e:  # noqa: BLE001 -- raised on every rank below
         failed.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
-    agree(comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
+    raise_on_every_rank(comm, failed, what=f"loading {os.fspath(path)} failed part way (the model is partly loaded: "
                              "load again or restore a checkpoint):")
     if comm.rank == 0 and (m.missing or m.unexpected):
         log.warning("loaded %s with %d keys missing (%s) and %d unexpected (%s)", path, len(m.missing),
@@ -142,7 +142,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
             remove_partials(path)
         except OSError as e:
             problems.append(f"rank 0: {type(e).__name__}: {e}")
-    agree(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
+    raise_on_every_rank(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
     try:
         _stream(engine, path, order, buffers, names, files, file_of, key_of, mine)
     except BaseException:  # this rank's partial files go, whatever stopped the save (a lost peer too)
@@ -157,13 +157,13 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
     except Exception as e:  # noqa: BLE001
         problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
     # Every file is in place before the index names them (and stale files go).
-    agree(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
+    raise_on_every_rank(comm, problems, what=f"save_pretrained to {path} failed while renaming its files into place:")
     if comm.rank == 0:
         try:
             _finish_folder(module, path, names, files)
         except Exception as e:  # noqa: BLE001
             problems.append(f"{type(e).__name__}: {e}")
-    agree(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
+    raise_on_every_rank(comm, problems, what=f"save_pretrained to {path}: the weights are saved, but finishing the folder failed:")
     return path
 
 
@@ -203,7 +203,7 @@ def _stream(engine, path: str, order: list[str], buffers: dict, names: list[str]
                 out.close()
         except Exception as e:  # noqa: BLE001
             problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
-    agree(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
+    raise_on_every_rank(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
 
 
 def adapter_marks(module: nn.Module) -> tuple[str, ...]:
@@ -230,7 +230,7 @@ def save_adapter(engine, path: str, dtype: torch.dtype | None) -> str:
             engine.module.save_pretrained(path, state_dict=state)
         except Exception as e:  # noqa: BLE001 -- reported on every rank
             problems.append(f"{type(e).__name__}: {e}")
-    agree(engine.world_comm, problems, what=f"saving the adapters to {path} failed:")
+    raise_on_every_rank(engine.world_comm, problems, what=f"saving the adapters to {path} failed:")
     return path
 
 

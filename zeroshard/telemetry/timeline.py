@@ -4,7 +4,8 @@
     ... train ...
     timeline.plot("memory.png")                  # or zeroshard.telemetry.timeline.plot({"stage 0": a, "stage 3": b}, path)
 
-Vocabulary (the fields of a `Sample`, all in bytes of this rank):
+The fields of a `Sample`, all in bytes of this rank (model states, gradient buffers, activations:
+docs/vocabulary.md):
 - model states: parameters, gradients and optimizer states kept from step to step (what
   `engine.stats()` calls model_state_bytes), split into device and host memory. At stages 0-1 the
   full gradient is kept for the whole step, so it is a model state there.

@@ -1,0 +1,206 @@
+"""The engine's construction, as named steps (as FSDP2's fully_shard and torchtitan's parallelize
+steps read): join the world, plan, read the model, make the parts, pack the chunks. Each step takes
+what it needs and returns what it made; `Engine.__init__` (engine.py) runs them in order and keeps
+the results. The hooks call back into the engine through `EngineCalls`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from .config import Config
+from .distributed.collectives import Comm, default_device, init_process_group
+from .distributed.tensor_parallel import TensorParallel, local_shape
+from .optim.loss_scale import LossScaler
+from .optim.optimizer import ShardedOptimizer, as_factory, default_optimizer
+from .planning.auto_plan import plan_for
+from .runtime.arrival import ArrivalHooks
+from .runtime.cache import ChunkCache
+from .runtime.chunks import auto_chunk_size
+from .runtime.hooks import Stage3Hooks
+from .runtime.layout import ChunkLayout, list_parameters, resolve_state
+from .runtime.materialize import InitialValues
+from .runtime.module_state import StateDictLoading, guard_grad_readers, guard_moves, route_zero_grad, sync_generation
+from .runtime.offload import Placement, Transfer
+from .runtime.partitioned_activations import PartitionedActivations
+from .runtime.precision import InputCasts, cast_buffers
+from .runtime.reducer import GradientReducer
+from .runtime.saved_tensors import SavedTensorHooks
+from .units import direct_params, leaf_modules
+
+log = logging.getLogger("zeroshard")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where the engine runs and whom it talks to."""
+    device: torch.device
+    tp: TensorParallel | None  # the tensor-parallel side; ZeRO runs over its "dp" group
+    comm: Comm  # the data-parallel group: chunks, reductions, gathers
+    # Every rank, TP peers included: what one rank decides or fails at (a plan, an unreadable file)
+    # reaches them all, so none goes on alone.
+    world_comm: Comm
+    transfer: Transfer
+    leaves: list[nn.Module]  # modules stage 3 gathers whole (units.py)
+
+
+def join_world(module: nn.Module, config: Config, device: torch.device | None) -> World:
+    """The device, the process group, tensor parallelism and the Comms over them."""
+    device = device or default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_process_group(device, config.collective_timeout_s)
+    tp = TensorParallel(module, config.tensor_parallel, device) if config.tensor_parallel > 1 else None
+    comm = Comm(device, group=tp.dp_group if tp else None)
+    return World(device, tp, comm, tp.world_comm if tp else comm, Transfer(device),
+                 leaf_modules(module, config.leaf_modules))
+
+
+@dataclass(frozen=True)
+class Planned:
+    config: Config  # the config that runs: with 'auto', what the plan chose
+    plan: object | None  # planner.Plan with 'auto'
+    profile: object | None  # profiler.Profile with 'auto'
+
+
+def plan(module: nn.Module, optimizer, config: Config, example_inputs, world: World) -> Planned:
+    """offload/stage 'auto': profile and plan (its placement per chunk is applied by make_parts)."""
+    if not config.planned:
+        return Planned(config, None, None)
+    chosen, profile = plan_for(module, example_inputs, as_factory(optimizer), config, world.device, world.comm,
+                               world.world_comm, leaves=world.leaves)
+    return Planned(dataclasses.replace(config, offload=False, **chosen.config()), chosen, profile)
+
+
+@dataclass(frozen=True)
+class Model:
+    """What the engine reads of the model before packing it."""
+    params: list[nn.Parameter]
+    names: dict[int, str]  # id(param) -> its name
+    shapes: dict[int, torch.Size]  # id(param) -> what this rank stores of it
+    state_keys: list[tuple[str, object]]  # the module's own state_dict keys (layout.resolve_state)
+    casts: InputCasts | None
+
+
+def read_model(module: nn.Module, config: Config, world: World, weights, init_fn) -> tuple[Model, InitialValues]:
+    """The parameters, their first values (weights, initialisers, or as built: returned apart, so the
+    engine can drop them and the reader once packed), buffers' dtype."""
+    params, names = list_parameters(module)
+    shapes = {id(p): local_shape(p) for p in params}
+    start = InitialValues(module, params, weights, init_fn, config.init_seed, config.allow_nonfinite_weights)
+    if world.tp is not None:
+        world.tp.sync_replicated(params)
+    start.check(world.world_comm)  # collective: a file a rank cannot read raises on every rank
+    cast_buffers(module, config.dtype, config.buffer_dtype)
+    state_keys = resolve_state(module, world.device)
+    casts = InputCasts(module, config.dtype) if config.dtype != torch.float32 and config.cast_forward_inputs \
+        else None
+    return Model(params, names, shapes, state_keys, casts), start
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The engine's parts, made before any chunk exists."""
+    layout: ChunkLayout
+    cache: ChunkCache
+    reducer: GradientReducer
+    scaler: LossScaler | None
+    optim: ShardedOptimizer
+
+
+def make_parts(optimizer, config: Config, planned: Planned, world: World, model: Model) -> Parts:
+    """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
+    numels = [p.numel() for p in model.params]
+    cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
+    placement = Placement(optimizer_on_host=config.offload_optimizer, params_on_host=config.offload_params)
+    chosen = planned.plan
+    placement_of = (lambda i: placement) if chosen is None else (lambda i: chosen.placement(i, config.stage))
+    layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.comm, dtype=config.dtype,
+                         device=world.device, transfer=world.transfer, chunk_size=max(cap, max(numels)),
+                         placement_of=placement_of,  # the config's placement, or the plan's per chunk
+                         grad_dtype=config.grad_dtype)
+    cache = ChunkCache(world.comm, config.cache_chunks, config.prefetch)
+    reducer = GradientReducer(world.comm, config.stage, config.gradient_accumulation_steps)
+    scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
+    host = config.offload_optimizer or (chosen is not None and any(chosen.optimizer_on_host))
+    delayed = config.delay_update_after is not None
+    optim = ShardedOptimizer(optimizer or default_optimizer(host=host), world.comm, param_names=model.names,
+                             stage=config.stage, dtype=config.dtype, accumulation=config.gradient_accumulation_steps,
+                             clip_grad_norm=config.clip_grad_norm, scaler=scaler,
+                             delay_after=config.delay_update_after,
+                             side_comm=world.comm.side_channel() if delayed else None,
+                             nonfinite=config.nonfinite, measure_norm=config.grad_norm)
+    if config.check_order:
+        world.comm.enable_order_checks()
+    return Parts(layout, cache, reducer, scaler, optim)
+
+
+def pack(parts: Parts, model: Model, start: InitialValues, planned: Planned, world: World) -> None:
+    """Pack the parameters into chunks (in profiled first-use order with 'auto', else as listed),
+    give them their first values, and hand the chunks to the rCache and the optimizer."""
+    profile = planned.profile
+    order = model.params if profile is None else [model.params[i] for i in profile.first_use]
+    parts.layout.build(order, start.fill, broadcast=start.broadcast)
+    start.finish(world.world_comm, model.params, parts.layout.chunks, world.device)
+    parts.cache.set_chunks(parts.layout.chunks)
+    parts.optim.attach(parts.layout.chunks)
+
+
+@dataclass(frozen=True)
+class EngineCalls:
+    """The engine's methods the hooks call (weak methods: a dropped engine does not live on in them)."""
+    zero_grad: Callable[[], None]  # model.zero_grad()
+    leaf_backward_done: Callable  # stage 3: the gradient went back through a leaf unit
+    before_load: Callable[[], bool]  # model.load_state_dict is about to write parameters
+    grad_arrived: Callable  # a parameter's gradient was accumulated
+
+
+@dataclass(frozen=True)
+class Installed:
+    hooks: Stage3Hooks | None
+    loading: StateDictLoading
+    arrivals: ArrivalHooks | None
+    saved: SavedTensorHooks
+    unhooked: list[nn.Parameter]  # parameters frozen now, with no gradient hook yet
+
+
+def install_hooks(module: nn.Module, config: Config, world: World, model: Model, parts: Parts,
+                  on: EngineCalls) -> Installed:
+    """Stage-3 hooks, the module's own API (zero_grad, generate, moves, load_state_dict), the
+    stage 1-2 arrival hooks, gradient hooks and saved-tensor hooks."""
+    stage, layout, comm = config.stage, parts.layout, world.comm
+    hooks = None
+    if stage == 3:
+        if world.leaves and comm.rank == 0:
+            log.info("stage 3 gathers these modules whole (leaf_modules): %s",
+                     ", ".join(sorted({type(m).__name__ for m in world.leaves})))
+        hooks = Stage3Hooks(module, parts.cache, layout.chunks_of, model.names, model.shapes, config.dtype,
+                            on_borrow=layout.forget, leaves=world.leaves, on_leaf_backward=on.leaf_backward_done)
+        layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
+        parts.reducer.count_at_leaf_end(p for leaf in world.leaves for _, p in hooks.params_of(leaf))
+    route_zero_grad(module, on.zero_grad)
+    if (stage == 3 and comm.world > 1) or world.tp is not None:  # a forward is a collective
+        sync_generation(module)
+    guard_moves(module, lambda: layout.chunks)
+    guard_grad_readers(list(model.params) + ([t for ts in hooks.placeholders.values() for _, t in ts]
+                                             if hooks else []))
+    loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
+                               on.before_load)
+    delayed = config.delay_update_after is not None
+    arrivals = ArrivalHooks(module, layout.chunks_of) if stage in (1, 2) and (comm.world > 1 or delayed) else None
+    for p in model.params:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(on.grad_arrived)
+    # The prefetch schedule is recorded over the first micro-batch that runs entirely on the
+    # final packing (layout.py: chunks are re-packed in order of first use after the first).
+    layout.record_first_use(module, world.leaves)
+    partition = PartitionedActivations(world.tp.comm, world.transfer, config.offload_activations) \
+        if config.partition_activations else None
+    saved = SavedTensorHooks(world.device, world.transfer, hooks, lambda: layout.chunks, config.offload_activations,
+                             partition)
+    return Installed(hooks, loading, arrivals, saved, [p for p in model.params if not p.requires_grad])
