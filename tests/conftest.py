@@ -1,7 +1,31 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_generate_tests(metafunc):
+    """A test module names its scenario registry `RESULTS` (a distributed.WorldResults); its tests
+    then take `res`, (results, world size) at each of the registry's worlds, or `res_several`, at
+    its worlds above 1 (where a comparison with DDP has something to compare). Registering at
+    collection lets the first spawned world run every collected registry at once."""
+    results = getattr(metafunc.module, "RESULTS", None)
+    if results is None:
+        return
+    results.register()
+    for name, worlds in (("res", results.worlds), ("res_several", [w for w in results.worlds if w > 1])):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, worlds, indirect=True, ids=lambda w: f"world{w}")
+
+
+def _results(request, tmp_path_factory):
+    return request.module.RESULTS.get(request.param, tmp_path_factory), request.param
+
+
+res = pytest.fixture(_results, name="res")
+res_several = pytest.fixture(_results, name="res_several")
 
 
 def pytest_runtest_logreport(report):

@@ -124,17 +124,18 @@ class WorldResults:
 
     def __init__(self, run, label: str, shared: bool = True, worlds=(1, 2, 3)):
         """`worlds`: the world sizes this registry's tests ask for (a shared one runs at those only,
-        and only once a collected test module has made its fixture: importing it runs nothing)."""
+        and only once a collected test module names it as its RESULTS: importing it runs nothing)."""
         self.run, self.label, self.worlds, self._cache = run, label, tuple(worlds), {}
         self.shared = shared
 
-    def _register(self) -> None:
+    def register(self) -> None:
+        """Join the shared run (conftest.py calls it as each test module is collected)."""
         if self.shared and self not in WorldResults._shared:
             WorldResults._shared.append(self)
 
     def get(self, world: int, tmp_path_factory) -> dict:
         import json
-        self._register()
+        self.register()
         assert world in self.worlds, (self.label, world, self.worlds)
         if world not in self._cache:
             batch = [r for r in WorldResults._shared if world in r.worlds and world not in r._cache] \
@@ -151,17 +152,6 @@ class WorldResults:
             raise RuntimeError(f"the world-{world} {self.label} scenarios did not run: "
                                f"{cause(self._cache[world])}") from self._cache[world]
         return self._cache[world]
-
-    def fixture(self, worlds=None):
-        """A pytest fixture, parametrized over `worlds` (default: this registry's), giving each test
-        (results, world size). In a test module: `res = WorldResults(run, "label").fixture()`."""
-        import pytest
-        self._register()
-
-        @pytest.fixture(params=worlds or self.worlds, ids=lambda w: f"world{w}")
-        def res(request, tmp_path_factory):
-            return self.get(request.param, tmp_path_factory), request.param
-        return res
 
 
 def ok(results: dict, name: str) -> dict:

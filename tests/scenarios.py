@@ -633,5 +633,5 @@ def run_all(rank, world, out_path, only=None, registry=None):
 
 
 # The parity scenarios' results at worlds 1-3, for every test module that reads them (test_parity,
-# test_auto, test_offload, ...): each makes `res = PARITY.fixture()`.
+# test_auto, test_offload, ...): each names it as its RESULTS (conftest.py's `res` fixture).
 PARITY = WorldResults(run_all, "parity")

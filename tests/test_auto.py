@@ -12,7 +12,7 @@ from distributed import ok
 from models import ADAMW_TOL
 from scenarios import AUTO_CASES, PARITY
 
-res = PARITY.fixture()
+RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 
 TOL = {"fp32_sgd": 1e-5, "fp32_adamw": ADAMW_TOL, "bf16_cpuadamw": 1e-2}
 

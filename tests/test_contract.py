@@ -9,7 +9,7 @@ from distributed import WorldResults, ok
 from models import TOL
 
 _results = WorldResults(run, "contract")
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -15,7 +15,7 @@ from distributed import ok
 from models import ADAMW_TOL
 from scenarios import DELAYED_CASES, PARITY
 
-res = PARITY.fixture()
+RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 
 TOL = {"fp32_sgd_lrdecay": 1e-5, "fp32_adamw_accum2_clip": ADAMW_TOL, "bf16_sgd": 2e-3, "bf16_cpuadamw": 1e-2}
 # How far the delayed run must land from the exact one, so that a run that did not delay fails.

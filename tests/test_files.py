@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 from distributed import WorldResults, ok  # noqa: E402
 from file_scenarios import run  # noqa: E402
 
-res = WorldResults(run, "files", worlds=(2,)).fixture()
+RESULTS = WorldResults(run, "files", worlds=(2,))  # read by the `res` fixture (conftest.py)
 
 
 def same_on_every_rank(errors: list[str], world: int) -> str:

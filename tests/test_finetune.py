@@ -11,7 +11,7 @@ from finetune_scenarios import run  # noqa: E402
 from models import ADAMW_TOL, TOL  # noqa: E402
 
 _results = WorldResults(run, "finetune")
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("stage", range(4))

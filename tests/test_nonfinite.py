@@ -9,7 +9,7 @@ from distributed import WorldResults, ok
 from nonfinite_scenarios import run
 
 _results = WorldResults(run, "nonfinite")
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

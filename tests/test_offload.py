@@ -13,7 +13,7 @@ from distributed import ok
 from models import ADAMW_TOL, OFFLOAD_EXACT
 from scenarios import OFFLOAD_CASES, OFFLOAD_FLAGS, PARITY
 
-res = PARITY.fixture()
+RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

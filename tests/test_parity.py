@@ -17,8 +17,7 @@ from distributed import ok
 from models import ADAMW_TOL
 from scenarios import PARITY, SCENARIOS
 
-res = PARITY.fixture()
-res_several = PARITY.fixture((2, 3))  # worlds where DDP has something to compare
+RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -9,7 +9,7 @@ from peer_scenarios import run
 
 SGD_TOL = 1e-5
 _results = WorldResults(run, "peer")
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 stages = pytest.mark.parametrize("stage", range(4))

@@ -15,7 +15,7 @@ from distributed import WorldResults, ok
 from pretrained_scenarios import ARCHS, build, run
 
 _results = WorldResults(run, "pretrained")
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("stage", range(4))

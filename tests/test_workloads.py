@@ -10,7 +10,7 @@ from models import TOL  # noqa: E402
 from workload_scenarios import run  # noqa: E402
 
 _results = WorldResults(run, "workloads", worlds=(2, 3))
-res = _results.fixture()
+RESULTS = _results  # read by the `res` fixture (conftest.py)
 
 
 stages = pytest.mark.parametrize("stage", range(4))

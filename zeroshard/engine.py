@@ -318,9 +318,11 @@ class Engine(EngineIO):
         if self._arrivals is not None:
             self._arrivals.arm(self.chunks)
         self._set_steps(self.steps + int(applied))
-        self._stats = step_stats(self, applied, self.meter.finish(self.comm.world, self.optimizer))
+        self._stats = step_stats(self.meter.finish(self.comm.world, self.optimizer), step=self.steps, applied=applied,
+                                 chunks=self.chunks, optim=self.optim, cache=self.cache, comm=self.comm,
+                                 transfer=self.transfer, saved=self.saved, scaler=self.scaler, tp=self.tp)
         if self.timeline is not None:
-            self.timeline.step_done()
+            self.timeline.step_done(self.steps)
         every = self.zeroshard_config.log_every
         if every and self.comm.rank == 0 and self.optim.boundaries % every == 0:
             log.info("%s", describe_step(self._stats))
@@ -343,7 +345,3 @@ class Engine(EngineIO):
 
     def eval(self) -> "Engine":
         return self.train(False)
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.optim.optimizer

@@ -61,6 +61,11 @@ class EngineIO:
             self._arrivals.settle()
         self.optim.await_arrivals()
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer, over this rank's master pieces (its state dict, an LR scheduler)."""
+        return self.optim.optimizer
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
         values (and buffers as they are), on the CPU."""
@@ -144,7 +149,9 @@ class EngineIO:
         steps (None: until `.stop()`). Returns the timeline (also `engine.timeline`)."""
         if self.timeline is not None:
             self.timeline.stop()
-        self.timeline = MemoryTimeline(self, steps)
+        layout = self.layout
+        self.timeline = MemoryTimeline(self.module, lambda: layout.chunks, self.optim, self.cache, self.device,
+                                       self.comm.rank, self.steps, steps)
         return self.timeline
 
     def model_state_bytes(self) -> tuple[dict[str, int], dict[str, int]]:

@@ -91,44 +91,44 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     return by_kind, by_device
 
 
-def step_stats(engine, applied: bool, meter: dict) -> dict:
-    """The figures of the step just taken (`meter`: StepMeter.finish's); restarts the counters
-    they came from."""
-    by_kind, by_device = model_state_bytes(engine.chunks, engine.optim)
-    cache = engine.cache
+def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, comm, transfer, saved, scaler,
+               tp) -> dict:
+    """The figures of the step just taken (`meter`: StepMeter.finish's; `step`: optimizer steps
+    applied so far), from the parts that counted them; restarts their counters."""
+    by_kind, by_device = model_state_bytes(chunks, optim)
     out = {
         **meter,
-        "step": engine.steps,
+        "step": step,
         "applied": applied,
-        "comm_elements": engine.comm.elements,
-        "control_collectives": engine.comm.control_collectives,
-        "order_checks": engine.comm.order_checks,
+        "comm_elements": comm.elements,
+        "control_collectives": comm.control_collectives,
+        "order_checks": comm.order_checks,
         "model_state_bytes": sum(by_kind.values()),
         "model_state_bytes_by_kind": by_kind,
         "model_state_bytes_by_device": by_device,
-        "transfer_bytes": {"h2d": engine.transfer.h2d_bytes, "d2h": engine.transfer.d2h_bytes},
-        "num_params": sum(s.numel() for s in engine.shapes.values()),
-        "num_chunks": len(engine.chunks),
-        "padded_elements": sum(c.padded_numel for c in engine.chunks),
+        "transfer_bytes": {"h2d": transfer.h2d_bytes, "d2h": transfer.d2h_bytes},
+        "num_params": sum(s.numel for c in chunks for s in c.slots),
+        "num_chunks": len(chunks),
+        "padded_elements": sum(c.padded_numel for c in chunks),
         "cache_peak_chunks": cache.peak,
         "cache_peak_bytes": cache.peak_bytes,
         "cache_overflows": cache.overflows,
         "schedule_departures": cache.departures,
         "device_model_bytes": by_device["device"] + cache.peak_bytes,
-        "loss_scale": engine.scaler.scale if engine.scaler else None,
-        "grad_norm": engine.optim.last_grad_norm,
-        "skipped_steps": engine.optim.skipped_steps,
-        "world_size": engine.comm.world,
-        "tensor_parallel": engine.tp.degree if engine.tp is not None else 1,
-        "saved_activation_bytes": dict(engine.saved.saved_bytes) if engine.saved.saved_bytes is not None else None,
+        "loss_scale": scaler.scale if scaler else None,
+        "grad_norm": optim.last_grad_norm,
+        "skipped_steps": optim.skipped_steps,
+        "world_size": comm.world,
+        "tensor_parallel": tp.degree if tp is not None else 1,
+        "saved_activation_bytes": dict(saved.saved_bytes) if saved.saved_bytes is not None else None,
     }
-    partition = engine.saved.partition
+    partition = saved.partition
     if partition is not None:
         out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints
         out["pa_partitioned_elements"] = partition.partitioned_elements
         partition.reset_counters()
-    engine.comm.reset_counters()
-    engine.transfer.reset_counters()
+    comm.reset_counters()
+    transfer.reset_counters()
     cache.reset_peak()
     return out
 

@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from .stats import model_state_bytes
+
 MiB = 2**20
 
 
@@ -55,17 +57,20 @@ class Sample:
 class MemoryTimeline:
     """Samples of one rank's memory over the steps recorded. Build it with `engine.record_memory`."""
 
-    def __init__(self, engine, steps: int | None):
-        self.engine = engine
+    def __init__(self, module, chunks, optim, cache, device, rank: int, step: int, steps: int | None):
+        """`chunks`: a callable giving the chunks now (the layout may re-pack them); `optim`: the
+        ShardedOptimizer; `cache`: the ChunkCache; `step`: optimizer steps applied so far (then told
+        by step_done); `steps`: how many to record (None: until stop())."""
+        self._chunks, self._optim, self._cache, self._device, self.rank = chunks, optim, cache, device, rank
         self.samples: list[Sample] = []
-        self.first_step = engine.steps
+        self.first_step = self.step = step
         self.steps = steps
         self.recording = True
         self._t0 = time.perf_counter()
         self._live: dict[tuple[bool, str, int], list[int]] = {}  # (on host, device, ptr) -> [refs, bytes]
         self._activations = {False: 0, True: 0}
         self._lock = threading.Lock()
-        names = {m: n or type(m).__name__ for n, m in engine.module.named_modules()}
+        names = {m: n or type(m).__name__ for n, m in module.named_modules()}
         self._handles = [m.register_forward_hook(lambda mod, a, o, n=n: self._module_done(n))
                          for m, n in names.items() if any(p is not None for p in m._parameters.values())]
 
@@ -79,24 +84,25 @@ class MemoryTimeline:
     def sample(self, phase: str, where: str = "end") -> None:
         if not self.recording:
             return
-        e = self.engine
-        _, by_device = e.model_state_bytes()
-        grad_buffers = 0
-        if e.stage >= 2:
-            grad_buffers = sum(t.numel() * t.element_size() for c in e.chunks
-                               for t in (c.grad_full, (c.stash or (None,))[0]) if t is not None)
-        dev = e.device
+        chunks = self._chunks()
+        _, by_device = model_state_bytes(chunks, self._optim)
+        # Stages 2-3 (at stages 0-1 the full gradient is a model state, counted above).
+        grad_buffers = sum(t.numel() * t.element_size() for c in chunks if c.stage >= 2
+                           for t in (c.grad_full, (c.stash or (None,))[0]) if t is not None)
+        dev = self._device
         self.samples.append(Sample(
-            step=e.steps, phase=phase, where=where, time_s=time.perf_counter() - self._t0,
-            device_states=by_device["device"], host_states=by_device["host"], cache=e.cache.gathered_bytes,
+            step=self.step, phase=phase, where=where, time_s=time.perf_counter() - self._t0,
+            device_states=by_device["device"], host_states=by_device["host"], cache=self._cache.gathered_bytes,
             grad_buffers=grad_buffers, activations=self._activations[False],
             host_activations=self._activations[True],
             allocated=torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None))
 
-    def step_done(self) -> None:
-        """Called by the engine after each optimizer step: stop when the requested steps are in."""
+    def step_done(self, step: int) -> None:
+        """Called by the engine after each optimizer step (`step`: steps applied so far): stop when
+        the requested steps are in."""
+        self.step = step
         self.sample("step")
-        if self.steps is not None and self.engine.steps - self.first_step >= self.steps:
+        if self.steps is not None and step - self.first_step >= self.steps:
             self.stop()
 
     def stop(self) -> None:
@@ -146,7 +152,7 @@ class MemoryTimeline:
 
     def plot(self, path, title: str | None = None) -> None:
         """Save a PNG of this timeline (needs matplotlib: pip install matplotlib)."""
-        plot({title or f"rank {self.engine.comm.rank}": self}, path)
+        plot({title or f"rank {self.rank}": self}, path)
 
 
 _LAYERS = [  # stacked bottom to top: what stays, then what comes and goes
