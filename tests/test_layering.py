@@ -175,3 +175,18 @@ def test_one_vocabulary():
     own = [m for m, path in modules(os.path.dirname(zeroshard.__file__)).items()
            if "Vocabulary" in (ast.get_docstring(ast.parse(open(path).read())) or "")]
     assert not own, f"modules defining their own vocabulary (point to docs/vocabulary.md): {own}"
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """docs/house-rules.md: no `other._name` outside its owner (an object's underscored attributes
+    are its own; others ask it through a method or a public attribute)."""
+    reads = []
+    for m, path in modules(os.path.dirname(zeroshard.__file__)).items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                holder = node.value
+                name = holder.id if isinstance(holder, ast.Name) else \
+                    holder.attr if isinstance(holder, ast.Attribute) else None
+                if name in OWNED:
+                    reads.append(f"{m} line {node.lineno}: {ast.unparse(node)}")
+    assert not reads, "another object's private attributes used:\n  " + "\n  ".join(reads)
