@@ -28,7 +28,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from ..runtime.chunks import ALIGN, _round_up, pack
+from ..runtime.chunks import pack_groups, padded_numel
 from .hardware import GIB, Hardware
 from ..runtime.offload import Placement
 from .profiler import Profile
@@ -56,15 +56,15 @@ class Layout:
 
 def layout(profile: Profile, chunk_size: int, world: int) -> Layout:
     cap = max(chunk_size, max(p.numel for p in profile.params))
+    order = list(profile.first_use)
+    numels = [profile.params[i].numel for i in order]
     padded, trainable, chunk_of = [], [], {}
-    for group in (True, False):
-        order = [i for i in profile.first_use if profile.params[i].requires_grad == group]
-        for placed in pack([profile.params[i].numel for i in order], cap):
-            last_i, last_off = placed[-1]
-            for i, _ in placed:
-                chunk_of[order[i]] = len(padded)
-            padded.append(_round_up(last_off + profile.params[order[last_i]].numel, world * ALIGN))
-            trainable.append(group)
+    for group, placed in pack_groups(numels, [profile.params[i].requires_grad for i in order], cap):
+        last, last_off = placed[-1]
+        for i, _ in placed:
+            chunk_of[order[i]] = len(padded)
+        padded.append(padded_numel(last_off + numels[last], world))
+        trainable.append(group)
     return Layout(cap, tuple(padded), tuple(trainable), chunk_of, profile.numel)
 
 
@@ -264,8 +264,8 @@ class Planner:
         """The chunk size (elements) that moves the fewest bytes through a cache filling the budget.
         Returns it and every candidate as (chunk size, bytes moved in elements, waste)."""
         p, world = self.profile, self.target.world
-        smallest = _round_up(max(x.numel for x in p.params), world * ALIGN)
-        sizes = sorted({_round_up(int(smallest * (1 + j / 32)), world * ALIGN) for j in range(candidates)})
+        smallest = padded_numel(max(x.numel for x in p.params), world)
+        sizes = sorted({padded_numel(int(smallest * (1 + j / 32)), world) for j in range(candidates)})
         results = []
         for size in _progress(sizes, "zeroshard: chunk sizes"):
             lay = layout(p, size, world)

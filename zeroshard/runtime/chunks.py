@@ -52,6 +52,24 @@ def pack(numels: list[int], chunk_size: int) -> list[list[tuple[int, int]]]:
     return chunks
 
 
+def pack_groups(numels: list[int], trainable: list[bool], chunk_size: int) -> list[tuple[bool, list[tuple[int, int]]]]:
+    """The one packing rule (the engine's layout and the planner's both use it): trainable
+    parameters first, then frozen ones (no gradient, no optimizer state: their chunks need neither),
+    each group next-fit in the given order. Returns, per chunk, (trainable, [(index into `numels`,
+    offset)])."""
+    out = []
+    for group in (True, False):
+        members = [i for i, t in enumerate(trainable) if t == group]
+        for placed in pack([numels[i] for i in members], chunk_size):
+            out.append((group, [(members[j], off) for j, off in placed]))
+    return out
+
+
+def padded_numel(numel: int, world: int) -> int:
+    """A chunk's length once padded so that it splits into `world` equal, aligned shards."""
+    return _round_up(numel, world * ALIGN)
+
+
 # Every collective costs a fixed time besides its bytes. Measured here (gloo, 2 ranks on one 2-core
 # host): about 1.5 ms per collective at about 1 GB/s, so a 4M-element fp32 chunk (16 MiB) spends a
 # tenth of its all-gather on that fixed cost; NCCL's (tens of microseconds at ~100 GB/s) breaks even
@@ -145,7 +163,7 @@ class Chunk:
         self.placement = placement
         self.transfer = transfer or Transfer(device)
         self.numel = slots[-1].offset + slots[-1].numel
-        self.padded_numel = _round_up(self.numel, world * ALIGN)
+        self.padded_numel = padded_numel(self.numel, world)
         self.shard_numel = self.padded_numel // world
         lo = rank * self.shard_numel
         self.shard_range = (lo, lo + self.shard_numel)

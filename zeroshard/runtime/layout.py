@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .chunks import Chunk, ChunkState, Fill, Slot, pack
+from .chunks import Chunk, ChunkState, Fill, Slot, pack_groups
 from ..distributed.collectives import Comm
 from .hooks import FirstUseRecorder
 from ..units import direct_params
@@ -74,19 +74,18 @@ class ChunkLayout:
         chunks, self.slot_of, self._module_chunks = [], {}, {}
         for p in order:
             self.trainable.setdefault(id(p), p.requires_grad)
-        for trainable in (True, False):
-            group = [p for p in order if self.trainable[id(p)] == trainable]
-            for placed in pack([self.shapes[id(p)].numel() for p in group], self.chunk_size):
-                slots = [Slot(group[i], self.names[id(group[i])], off, self.shapes[id(group[i])].numel(),
-                              self.shapes[id(group[i])]) for i, off in placed]
-                prepare(slots)
-                c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
-                          dtype=self.dtype, device=self.device, trainable=trainable, fill=fill,
-                          comm=self.comm if broadcast else None, placement=self.placement_of(len(chunks)),
-                          transfer=self.transfer, grad_dtype=self.grad_dtype)
-                chunks.append(c)
-                for s in slots:
-                    self.slot_of[id(s.param)] = (c, s)
+        numels, trainable = [self.shapes[id(p)].numel() for p in order], [self.trainable[id(p)] for p in order]
+        for group, placed in pack_groups(numels, trainable, self.chunk_size):
+            slots = [Slot(order[i], self.names[id(order[i])], off, numels[i], self.shapes[id(order[i])])
+                     for i, off in placed]
+            prepare(slots)
+            c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
+                      dtype=self.dtype, device=self.device, trainable=group, fill=fill,
+                      comm=self.comm if broadcast else None, placement=self.placement_of(len(chunks)),
+                      transfer=self.transfer, grad_dtype=self.grad_dtype)
+            chunks.append(c)
+            for s in slots:
+                self.slot_of[id(s.param)] = (c, s)
         self.chunks = chunks
 
     def repack(self, order: list[nn.Parameter]) -> None:
