@@ -307,7 +307,7 @@ class Comm:
         return self._issue(tag, collective, async_op, "all-gather a chunk")
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
-        """In place: this rank's slot of `full` <- the sum over ranks of that slot. Counts len(full).
+        """In place: this rank's shard of `full` <- the sum over ranks of that shard. Counts len(full).
         (NCCL accepts an output that is the input's own slot.)
 
         On gloo it is an all-to-all (each rank receives every rank's copy of its slot: the bytes a

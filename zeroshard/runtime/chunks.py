@@ -401,7 +401,7 @@ class Chunk:
 
     def start_reduce(self, comm) -> None:
         """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
-        reduce-scatter into this rank's slot of the full gradient at stages 1-3."""
+        reduce-scatter into this rank's shard of the full gradient at stages 1-3."""
         invariant(self.grad_state is not GradState.REDUCING,
                   lambda: f"chunk {self.index}: start_reduce in {self.grad_state}")
         self.grad_state = GradState.REDUCING

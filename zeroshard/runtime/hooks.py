@@ -13,7 +13,7 @@ a matmul) are saved as a `ChunkView` (chunk, offset, size, stride) instead, and 
 chunk, gathered again by then, in backward: otherwise every saved weight would keep its gathered
 chunk alive from forward to backward and stage 3 would hold the whole model at its peak.
 
-Outside its module's forward, a stage-3 parameter's slot holds a `ShardedPlaceholder` with the
+Outside its module's forward, a stage-3 parameter's entries hold a `ShardedPlaceholder` with the
 parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
 the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
 reads a parameter of a submodule that does not run (nn.MultiheadAttention reads out_proj.weight) *borrows*
@@ -62,7 +62,7 @@ def _unchanged(func, args, kwargs) -> bool:
 
 
 class ShardedPlaceholder(torch.Tensor):
-    """Occupies a module's parameter slot while stage 3 holds that parameter sharded."""
+    """Occupies a module's parameter entry while stage 3 holds that parameter sharded."""
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, shape: torch.Size, dtype, name: str):
@@ -221,11 +221,11 @@ class Stage3Hooks:
         self.owners: dict[int, list[nn.Module]] = {}  # id(param) -> units that gather it
         # unit -> (owner module, name, parameter) it borrowed (see the module docstring)
         self.borrowed: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
-        self._slot: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
+        self._entry: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
         self.on_borrow = on_borrow
         self.on_leaf_backward = on_leaf_backward
         borrow = weak_method(self.borrow)
-        # One placeholder per parameter, in every slot that holds it (tied weights): the module's
+        # One placeholder per parameter, in every entry that holds it (tied weights): the module's
         # parameters() then lists it once, as torch lists a tied parameter once.
         stand_in: dict[int, ShardedPlaceholder] = {}
         for unit, members in self.units.items():
@@ -239,7 +239,7 @@ class Stage3Hooks:
                     if t is None:
                         t = stand_in[id(p)] = ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)])
                         t._zs_borrow, t._zs_param = borrow, p
-                        self._slot[id(t)] = (m, n, p)
+                        self._entry[id(t)] = (m, n, p)
                     self.placeholders[m].append((n, t))
                     if id(p) not in seen:
                         seen.add(id(p))
@@ -279,7 +279,7 @@ class Stage3Hooks:
         if not self.active:
             return None
         m = self.active[-1]
-        owner, name, p = self._slot[id(placeholder)]
+        owner, name, p = self._entry[id(placeholder)]
         entries = self.borrowed.setdefault(m, [])
         if all(q is not p for _, _, q in entries):
             before = list(self.chunks_of(m))

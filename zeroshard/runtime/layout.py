@@ -1,6 +1,7 @@
 """The chunk layout: which chunk each parameter lives in, and whether that may still change.
 
-The layout is the list of chunks in packing order, with each parameter's slot (docs/vocabulary.md). Chunks are first packed in module order; the first training forward records the order of
+The layout is the list of chunks in packing order, with each parameter's slot (docs/vocabulary.md).
+Chunks are first packed in module order; the first training forward records the order of
 first use (hooks.FirstUseRecorder), and the engine re-packs once if it differs, so that stage 3
 gathers chunks in the order the model needs them. After that (or from the start, when a profile or a
 checkpoint gave the order) the layout is *final*: chunks never move again.
