@@ -11,6 +11,7 @@ import enum
 import torch
 
 from .runtime.module_state import full_parameters
+from .state.view import TrainingState
 from .telemetry.stats import model_state_bytes
 from .telemetry.timeline import MemoryTimeline
 
@@ -32,6 +33,13 @@ class EngineIO:
     def _expect_idle(self, call: str) -> None:
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: {call} called while the engine is in {self.phase.value}")
+
+    def _state_view(self) -> TrainingState:
+        """What state/ reads of this engine for one save, load or export (state/view.py)."""
+        return TrainingState(self.module, self.params, self.names, self.shapes, self.state_keys, self.device,
+                             self.zeroshard_config, self.comm, self.world_comm, self.tp, self.layout, self.optim,
+                             self.scaler, self.cache, self.steps, self.micro_steps, self.grads_pending,
+                             self.apply_delayed_update, self.thaw, self.fix_layout, self.restore_counters)
 
     def _quiesce(self) -> None:
         """Before the chunks are read or written whole: the update in flight lands, every chunk
@@ -70,7 +78,7 @@ class EngineIO:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
         values (and buffers as they are), on the CPU."""
         from .state.checkpoint import full_state_dict
-        return full_state_dict(self)
+        return full_state_dict(self._state_view())
 
     def load_weights(self, path, strict: bool = True):
         """Collective: load pretrained weights (a Hugging Face folder: model.safetensors or a sharded
@@ -83,7 +91,7 @@ class EngineIO:
         from .state.pretrained import load_weights
         if not self._before_load():
             raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
-        return load_weights(self, path, strict)
+        return load_weights(self._state_view(), path, strict)
 
     def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
                         submodule: str = "") -> str:
@@ -99,7 +107,7 @@ class EngineIO:
         from .state.pretrained import save_pretrained
         self._expect_idle("save_pretrained")
         self._quiesce()
-        return save_pretrained(self, path, max_shard_size, dtype, submodule)
+        return save_pretrained(self._state_view(), path, max_shard_size, dtype, submodule)
 
     def save_checkpoint(self, root, tag: str | None = None, client_state: dict | None = None,
                         keep: int | None = None, omit_pending_grads: bool = False) -> str:
@@ -114,7 +122,7 @@ class EngineIO:
         from .state.checkpoint import save
         if self.tp is not None:  # each TP rank's data-parallel group saves its local shards apart
             root = self.tp.checkpoint_root(root)
-        return save(self, root, tag, client_state, keep, omit_pending_grads)
+        return save(self._state_view(), root, tag, client_state, keep, omit_pending_grads)
 
     def load_checkpoint(self, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
         """Collective: load a checkpoint (a root or a checkpoint directory) into this engine, after
@@ -124,7 +132,7 @@ class EngineIO:
         from .state.checkpoint_load import load
         if self.tp is not None:
             path = self.tp.checkpoint_path(path)
-        return load(self, path, tag, load_optimizer)
+        return load(self._state_view(), path, tag, load_optimizer)
 
     @contextlib.contextmanager
     def full_parameters(self, writeback: bool = True):

@@ -36,23 +36,24 @@ from ..files.checkpoint_dirs import (LATEST, META, SUMS, VERSION, commit, fsync_
 from ..files.checkpoint_files import EXTRA, FORMAT, Piece, SafeWriter, SavePlanner, cause_line, digest, failure
 from ..errors import CheckpointError
 from ..distributed.ordering import CHECKPOINT
+from .view import TrainingState
 
 log = logging.getLogger("zeroshard")
 
-# -- what the engine holds, by the model's own names ------------------------------------------------
+# -- what the engine holds (read through its TrainingState view), by the model's own names --------
 def _elementwise(v, piece) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.shape == piece.shape
 
 
-def _optim_kinds(engine) -> dict[str, dict[str, str]]:
+def _optim_kinds(view) -> dict[str, dict[str, str]]:
     """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'int' | 'float'}} for
     every parameter with optimizer state on some rank (one never stepped has none, as in torch);
     CheckpointError for a state of any other kind (nothing is pickled)."""
     mine, error = {}, None
-    for c in engine.optim.chunks:
+    for c in view.optim.chunks:
         for pc in c.pieces:
             kinds = {}
-            for k, v in engine.optim.optimizer.state.get(pc.param, {}).items():
+            for k, v in view.optim.optimizer.state.get(pc.param, {}).items():
                 if _elementwise(v, pc.param):
                     kinds[k] = "elementwise"
                 elif torch.is_tensor(v) and v.numel() == 1:
@@ -68,28 +69,28 @@ def _optim_kinds(engine) -> dict[str, dict[str, str]]:
                              "holds tensors and numbers only (nothing pickled)")
             if kinds:
                 mine[pc.slot.name] = kinds
-    everyone = engine.comm.all_gather_objects((mine, error))
+    everyone = view.comm.all_gather_objects((mine, error))
     errors = [e for _, e in everyone if e]
     if errors:
         raise CheckpointError(errors[0])
     return {name: kinds for got, _ in everyone for name, kinds in got.items()}
 
 
-def describe_model(engine) -> dict:
+def describe_model(view: TrainingState) -> dict:
     """Parameter names, shapes and trainability in packing order, tied names, buffers, state_dict keys."""
-    params = [[s.name, list(s.shape), s.param.requires_grad] for c in engine.chunks for s in c.slots]
+    params = [[s.name, list(s.shape), s.param.requires_grad] for c in view.chunks for s in c.slots]
     tied, buffers = {}, {}
-    for key, obj in engine.state_keys:
-        if id(obj) in engine.names:
-            if key != engine.names[id(obj)]:
-                tied[key] = engine.names[id(obj)]
+    for key, obj in view.state_keys:
+        if id(obj) in view.names:
+            if key != view.names[id(obj)]:
+                tied[key] = view.names[id(obj)]
         elif torch.is_tensor(obj):
             buffers[key] = list(obj.shape)
         else:
             raise CheckpointError(f"zeroshard: state_dict entry {key!r} is neither a parameter nor a buffer (a "
                                   "module's extra state): zeroshard checkpoints do not hold those yet")
     return {"params": params, "tied": tied, "buffers": buffers,
-            "state_dict_keys": [k for k, _ in engine.state_keys]}
+            "state_dict_keys": [k for k, _ in view.state_keys]}
 
 
 def mismatch(saved: dict, model: dict) -> str | None:
@@ -167,13 +168,13 @@ def runs(c, lo: int, hi: int):
 
 
 # -- save ------------------------------------------------------------------------------------------
-def _save_state(engine) -> dict:
+def _save_state(view) -> dict:
     """This rank's DCP state: the pieces in its shard range (at stage 0 too, so ranks split the
     writing), scalar optimizer states from the rank holding a parameter's first element, its RNG."""
     out = {}
-    opt = engine.optim.optimizer
-    buffers = describe_model(engine)["buffers"]  # on every rank: it may raise, and must raise everywhere
-    for c in engine.chunks:
+    opt = view.optim.optimizer
+    buffers = describe_model(view)["buffers"]  # on every rank: it may raise, and must raise everywhere
+    for c in view.chunks:
         lo, hi = c.shard_range
         base = c.owned_range[0]
         # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
@@ -191,34 +192,34 @@ def _save_state(engine) -> dict:
                 elif start == 0:  # a scalar: a 0-d tensor, or a Python number saved as one
                     out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else \
                         torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int64)
-    if engine.comm.rank == 0:
+    if view.comm.rank == 0:
         for key in buffers:
-            out[f"model.{key}"] = engine.module.get_buffer(key).detach()
-    for k, v in _rng_state(engine.device).items():
-        out[f"rng.{engine.comm.rank}.{k}"] = v
+            out[f"model.{key}"] = view.module.get_buffer(key).detach()
+    for k, v in _rng_state(view.device).items():
+        out[f"rng.{view.comm.rank}.{k}"] = v
     return out
 
 
-def quiesce(engine) -> None:
+def quiesce(view) -> None:
     """Before reading or writing states: every rank is here (else DivergedError everywhere) and the
     last update is in."""
-    engine.comm.agree(CHECKPOINT)
-    engine.apply_delayed_update()
+    view.comm.agree(CHECKPOINT)
+    view.apply_delayed_update()
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor]:
+def full_state_dict(view: TrainingState) -> dict[str, torch.Tensor]:
     """See Engine.full_state_dict: the model's own state_dict keys, full fp32 parameter values and
     buffers as they are, on the CPU (a collective; with tensor parallelism over the TP group too: a
     split parameter's whole tensor, as plain torch would hold it)."""
-    quiesce(engine)
-    full = engine.layout.full_values()
-    if engine.tp is not None:
-        full = {id(p): engine.tp.full_tensor(p, full[id(p)]) for p in engine.params}
-    return {key: (full[id(obj)] if id(obj) in full else engine.module.get_buffer(key)).detach().cpu().clone()
-            for key, obj in engine.state_keys}
+    quiesce(view)
+    full = view.layout.full_values()
+    if view.tp is not None:
+        full = {id(p): view.tp.full_tensor(p, full[id(p)]) for p in view.params}
+    return {key: (full[id(obj)] if id(obj) in full else view.module.get_buffer(key)).detach().cpu().clone()
+            for key, obj in view.state_keys}
 
 
-def save(engine, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None,
+def save(view: TrainingState, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None,
          omit_pending_grads: bool = False) -> str:
     """See Engine.save_checkpoint. Saves model, optimizer states, loss scale, step counters, RNG
     states, the config and `client_state` (rank 0's dict of tensors, numbers, strings, None, lists,
@@ -226,13 +227,13 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     checkpoint `tag` (default `step<N>`) in directory `root`, every rank writing its own shards; then
     points root/latest at it. Any world size, stage, chunk size or offload setting can load it;
     `zeroshard export` turns it into one safetensors file."""
-    quiesce(engine)
-    comm = engine.comm
-    if engine.grads_pending and not omit_pending_grads:
+    quiesce(view)
+    comm = view.comm
+    if view.grads_pending and not omit_pending_grads:
         raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
                               "would be lost); save after engine.step() has applied the update")
-    kinds = _optim_kinds(engine)
-    tag = tag if tag is not None else f"step{engine.steps}"
+    kinds = _optim_kinds(view)
+    tag = tag if tag is not None else f"step{view.steps}"
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or VERSION.fullmatch(tag):
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
                               f"starting with '.', not '{LATEST}', not ending in '.v-' and 8 hex digits)")
@@ -254,7 +255,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(_save_state(engine), storage_writer=SafeWriter(tmp), planner=SavePlanner(),
+            dcp.save(_save_state(view), storage_writer=SafeWriter(tmp), planner=SavePlanner(),
                      process_group=comm.group, no_dist=not comm.distributed)
         try:
             mine = {n: digest(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(f"__{comm.rank}_")}
@@ -264,7 +265,7 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
         error = next((x for x in everyone if isinstance(x, str)), None)
         if comm.rank == 0 and error is None:
             try:
-                _finish(engine, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
+                _finish(view, tmp, root, tag, {k: v for d in everyone for k, v in d.items()}, client_state, kinds)
                 if keep is not None:
                     prune(root, keep, tag)
             except Exception as e:  # reported on every rank below
@@ -289,18 +290,18 @@ def save(engine, root, tag: str | None = None, client_state: dict | None = None,
     return final
 
 
-def _finish(engine, tmp: str, root: str, tag: str, sums: dict, client_state, kinds: dict) -> None:
+def _finish(view, tmp: str, root: str, tag: str, sums: dict, client_state, kinds: dict) -> None:
     """Rank 0, once every rank's shards are written: the side files, the checksums, then the commit."""
     meta = {"format": FORMAT, "torch": torch.__version__, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "world": engine.comm.world, "stage": engine.stage, "precision": engine.zeroshard_config.precision,
-            "config": engine.zeroshard_config.to_dict(), "steps": engine.steps, "micro_steps": engine.micro_steps,
-            "skipped_steps": engine.optim.skipped_steps, "optimizer_steps": engine.optim.boundaries,
-            "loss_scale": engine.scaler.state_dict() if engine.scaler else None,
-            **describe_model(engine), "optim_state": kinds,
-            "hf_config": _hf_config(engine.module),
-            "tensor_parallel": engine.tp.describe(engine.params, engine.names) if engine.tp else None}
+            "world": view.comm.world, "stage": view.stage, "precision": view.config.precision,
+            "config": view.config.to_dict(), "steps": view.steps, "micro_steps": view.micro_steps,
+            "skipped_steps": view.optim.skipped_steps, "optimizer_steps": view.optim.boundaries,
+            "loss_scale": view.scaler.state_dict() if view.scaler else None,
+            **describe_model(view), "optim_state": kinds,
+            "hf_config": _hf_config(view.module),
+            "tensor_parallel": view.tp.describe(view.params, view.names) if view.tp else None}
     write_file(os.path.join(tmp, META), json.dumps(meta, indent=1).encode())
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in engine.optim.optimizer.param_groups]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in view.optim.optimizer.param_groups]
     buf = io.BytesIO()
     torch.save({"client_state": client_state, "param_groups": groups}, buf)
     try:  # what a load will read: refuse now, not then

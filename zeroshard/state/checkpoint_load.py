@@ -1,4 +1,4 @@
-"""Loading a checkpoint into an engine (Engine.load_checkpoint). Every rank holds a lease on the
+"""Loading a checkpoint into an view (Engine.load_checkpoint). Every rank holds a lease on the
 version it reads (checkpoint_dirs.py), so no save removes it meanwhile. Before any value changes it
 checks every file's size and checksum (the ranks split the files between them), that the
 checkpoint's parameter names and shapes are this model's, and that its optimizer state is this
@@ -19,29 +19,30 @@ from ..files.checkpoint_files import (Piece, SafeReader, dcp_load, failure, read
                                verify_all)
 from ..errors import CheckpointError
 from ..optim.optimizer import probe_state
+from .view import TrainingState
 
 log = logging.getLogger("zeroshard")
 
 
 # -- load ------------------------------------------------------------------------------------------
-def load(engine, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
+def load(view: TrainingState, path, tag: str | None = None, load_optimizer: bool = True) -> dict:
     """See Engine.load_checkpoint. Every failure is a CheckpointError (torch's CheckpointException,
     a BaseException, included)."""
     try:
-        return _load(engine, path, tag, load_optimizer)
+        return _load(view, path, tag, load_optimizer)
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
-        raise failure(e, f"load checkpoint {path}", engine.comm.timeout_s) from e
+        raise failure(e, f"load checkpoint {path}", view.comm.timeout_s) from e
 
 
-def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
+def _load(view, path, tag: str | None, load_optimizer: bool) -> dict:
     """See Engine.load_checkpoint. `path` is a root (its `latest`, or `tag`) or a checkpoint
     directory. load_optimizer=False loads the model (and buffers, counters, RNG) and clears the
     optimizer's state. Everything that can refuse the checkpoint runs before anything in
-    the engine changes: files, model, optimizer compatibility, agreement of scalar states."""
-    quiesce(engine)
-    comm = engine.comm
+    the view changes: files, model, optimizer compatibility, agreement of scalar states."""
+    quiesce(view)
+    comm = view.comm
     t0 = time.perf_counter()
     with contextlib.ExitStack() as leases:
         found = error = None
@@ -62,91 +63,91 @@ def _load(engine, path, tag: str | None, load_optimizer: bool) -> dict:
         missing = next((m for m in comm.all_gather_objects(missing) if m), None)
         if missing:  # on every rank, not a wait on the others
             raise CheckpointError(missing)
-        return _load_version(engine, found, load_optimizer, t0)
+        return _load_version(view, found, load_optimizer, t0)
 
 
-def _load_version(engine, found: str, load_optimizer: bool, t0: float) -> dict:
+def _load_version(view, found: str, load_optimizer: bool, t0: float) -> dict:
     """_load of version directory `found`, which every rank holds a lease on."""
-    comm = engine.comm
+    comm = view.comm
     sums = read_sums(found)
     meta = read_meta(found, sums)
-    why = mismatch(meta, describe_model(engine))
+    why = mismatch(meta, describe_model(view))
     if why:
         raise CheckpointError(f"zeroshard: checkpoint {found} is of another model:\n  {why}")
     verify_all(found, sums, comm)
     extra = read_extra(found)
     kinds = meta["optim_state"] if load_optimizer else {}
     if load_optimizer:
-        _check_optimizer(engine, found, kinds, extra["param_groups"])
+        _check_optimizer(view, found, kinds, extra["param_groups"])
     # A new chunk layout (if it was not fixed yet) changes no value: refusing after it changes nothing.
-    _fix_layout(engine, [n for n, _, _ in meta["params"]])
+    _fix_layout(view, [n for n, _, _ in meta["params"]])
     # A parameter frozen at initialize whose optimizer state the checkpoint holds (unfrozen before
     # the save): its chunk becomes trainable, so the state has somewhere to go.
-    engine.thaw(frozenset(kinds))
+    view.thaw(frozenset(kinds))
     saved = SafeReader(found).read_metadata().state_dict_metadata
-    small = _small_state(engine, kinds, meta, saved)
+    small = _small_state(view, kinds, meta, saved)
     dcp_load(small, found, comm)
 
     # From here on values change.
-    if engine.stage == 3:
-        engine.cache.flush()
+    if view.stage == 3:
+        view.cache.flush()
     for name, states in kinds.items():  # Python numbers the optimizer kept as such
         for k, kind in states.items():
             key = f"optim.state.{name}.{k}"
             if kind in ("int", "float") and key in small:
                 small[key] = (int if kind == "int" else float)(small[key].item())
-    pieces, opt_state = _piece_state(engine, kinds)
+    pieces, opt_state = _piece_state(view, kinds)
     dcp_load(pieces, found, comm)
-    _apply(engine, opt_state, small, extra["param_groups"] if load_optimizer else None)
+    _apply(view, opt_state, small, extra["param_groups"] if load_optimizer else None)
     for key in meta["buffers"]:
         with torch.no_grad():
-            engine.module.get_buffer(key).copy_(small[f"model.{key}"])
+            view.module.get_buffer(key).copy_(small[f"model.{key}"])
 
-    engine.restore_counters(meta["steps"])  # at a boundary: another accumulation works too
+    view.restore_counters(meta["steps"])  # at a boundary: another accumulation works too
     if load_optimizer:
         # older checkpoints lack optimizer_steps: count as if every step had applied (only
         # delay_update_after reads it)
-        engine.optim.restore_counters(meta["skipped_steps"],
+        view.optim.restore_counters(meta["skipped_steps"],
                                       meta.get("optimizer_steps", meta["steps"] + meta["skipped_steps"]))
-    if engine.scaler is not None and meta["loss_scale"] is not None:
-        engine.scaler.load_state_dict(meta["loss_scale"])
+    if view.scaler is not None and meta["loss_scale"] is not None:
+        view.scaler.load_state_dict(meta["loss_scale"])
     prefix = f"rng.{comm.rank}."
     rng = {k[len(prefix):]: v for k, v in small.items() if k.startswith(prefix)}
     if rng:
-        set_rng_state(rng, engine.device)
+        set_rng_state(rng, view.device)
     elif comm.rank == meta["world"]:  # once: the first rank the checkpoint has no RNG state for
         log.info("checkpoint saved at world %d: ranks %d.. keep their own RNG state",
                  meta["world"], meta["world"])
     if comm.rank == 0:
-        now = engine.zeroshard_config.to_dict()
+        now = view.config.to_dict()
         changed = {k: (v, now.get(k)) for k, v in meta["config"].items() if now.get(k) != v}
         log.info("loaded checkpoint %s (saved at world %d, stage %d; loaded at world %d, stage %d) "
-                 "in %.2f s%s", found, meta["world"], meta["stage"], comm.world, engine.stage,
+                 "in %.2f s%s", found, meta["world"], meta["stage"], comm.world, view.stage,
                  time.perf_counter() - t0,
                  "; config now differs: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
                  if changed else "")
     return extra["client_state"] if extra["client_state"] is not None else {}
 
 
-def _check_optimizer(engine, found: str, kinds: dict, groups: list) -> None:
+def _check_optimizer(view, found: str, kinds: dict, groups: list) -> None:
     """A parameter without saved state starts without state (torch's load_state_dict does the same
     for a parameter that was never stepped); the kinds of state must be this optimizer's."""
     theirs = set().union(*(set(k) for k in kinds.values())) if kinds else set()
-    ours = set(probe_state(engine.optim.make_opt)) if kinds else set()
+    ours = set(probe_state(view.optim.make_opt)) if kinds else set()
     if theirs != ours:
         raise CheckpointError(f"zeroshard: checkpoint {found} holds optimizer state {sorted(theirs)}; this "
                               f"optimizer keeps {sorted(ours)}: another optimizer? Load with load_optimizer=False")
-    if len(groups) != len(engine.optim.optimizer.param_groups):
+    if len(groups) != len(view.optim.optimizer.param_groups):
         raise CheckpointError(f"zeroshard: the checkpoint's optimizer has {len(groups)} parameter groups, this one "
-                              f"{len(engine.optim.optimizer.param_groups)}")
+                              f"{len(view.optim.optimizer.param_groups)}")
 
 
-def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
+def _small_state(view, kinds: dict, meta: dict, saved: dict) -> dict:
     """What is loaded before anything changes: scalar optimizer states of this rank's master pieces,
     buffers and this rank's RNG states (fresh tensors, as the checkpoint's metadata `saved`
     describes them)."""
     state = {}
-    for c in engine.optim.chunks:
+    for c in view.optim.chunks:
         for pc in c.pieces:
             for k, kind in kinds.get(pc.slot.name, {}).items():
                 key = f"optim.state.{pc.slot.name}.{k}"
@@ -156,29 +157,29 @@ def _small_state(engine, kinds: dict, meta: dict, saved: dict) -> dict:
         md = saved[f"model.{key}"]
         state[f"model.{key}"] = torch.empty(md.size, dtype=md.properties.dtype)
     for key, md in saved.items():
-        if key.startswith(f"rng.{engine.comm.rank}."):
+        if key.startswith(f"rng.{view.comm.rank}."):
             state[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return state
 
 
-def _fix_layout(engine, order: list[str]) -> None:
-    """Before the first training forward the engine has not fixed its chunk layout (it re-packs in
+def _fix_layout(view, order: list[str]) -> None:
+    """Before the first training forward the view has not fixed its chunk layout (it re-packs in
     order of first use): take the checkpoint's order instead. A re-pack needs an optimizer with no
     state; otherwise the layout stays as it is (pieces load into any layout)."""
-    if engine.layout.final:
+    if view.layout.final:
         return
-    by_name = {engine.names[id(p)]: p for p in engine.params}
-    engine.fix_layout([by_name[n] for n in order] if not engine.optim.optimizer.state else None)
+    by_name = {view.names[id(p)]: p for p in view.params}
+    view.fix_layout([by_name[n] for n in order] if not view.optim.optimizer.state else None)
 
 
-def _piece_state(engine, kinds: dict):
+def _piece_state(view, kinds: dict):
     """Pieces of each chunk's owned range, loaded in place: its master (its shard if frozen) and
     the elementwise optimizer states of its master pieces (the optimizer's own tensors when they
     fit: no second copy). Returns (DCP state, {id(master piece): {state name: tensor, or None for
     a scalar state}})."""
     state, opt_state = {}, {}
-    opt = engine.optim.optimizer
-    for c in engine.chunks:
+    opt = view.optim.optimizer
+    for c in view.chunks:
         lo, hi = c.owned_range
         dst = (c.master if c.trainable else c.shard).detach()
         piece_of = {id(pc.slot): pc for pc in c.pieces}
@@ -202,27 +203,27 @@ def _piece_state(engine, kinds: dict):
 
 
 @torch.no_grad()
-def _apply(engine, opt_state: dict, small: dict, groups) -> None:
+def _apply(view, opt_state: dict, small: dict, groups) -> None:
     """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
     the full chunks, and hand the optimizer its state: elementwise states from `opt_state`, scalar
     ones from `small` (groups None: no optimizer state loaded, so the optimizer starts afresh)."""
-    comm = engine.comm
+    comm = view.comm
     with comm.uncounted():
-        for c in engine.chunks:
+        for c in view.chunks:
             if c.trainable:
                 c.zero_grad()
                 if not c.master_is_shard:
                     c.shard.copy_(c.master)
-            if engine.stage in (1, 2):
+            if view.stage in (1, 2):
                 comm.all_gather(c.full, c.shard)
-    opt = engine.optim.optimizer
+    opt = view.optim.optimizer
     current = opt.state_dict()["param_groups"]
     if groups is None:
         opt.load_state_dict({"state": {}, "param_groups": current})
         return
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     loaded = {}
-    for c in engine.optim.chunks:
+    for c in view.optim.chunks:
         for pc in c.pieces:
             if id(pc.param) in opt_state and id(pc.param) in index:
                 loaded[index[id(pc.param)]] = {k: small[f"optim.state.{pc.slot.name}.{k}"] if v is None else v

@@ -27,31 +27,32 @@ from .export import StreamedSafetensors, remove_partials
 from ..distributed.tensor_parallel import region, whole_shape
 from ..errors import WeightsError
 from ..files.weight_files import INDEX, WEIGHTS, Match, WeightFiles, raise_on_every_rank, match
+from .view import TrainingState
 
 log = logging.getLogger("zeroshard")
 
 @torch.no_grad()
-def load_weights(engine, path, strict: bool = True) -> Match:
+def load_weights(view: TrainingState, path, strict: bool = True) -> Match:
     """See Engine.load_weights."""
     problems, m = [], None
-    comm = engine.world_comm  # a rank alone must not stop
+    comm = view.world_comm  # a rank alone must not stop
     try:
-        files = WeightFiles(path, engine.zeroshard_config.allow_nonfinite_weights)
-        shapes = {id(p): whole_shape(p, engine.shapes[id(p)]) for p in engine.params}
-        m = match(files, engine.module, engine.state_keys, shapes)
+        files = WeightFiles(path, view.config.allow_nonfinite_weights)
+        shapes = {id(p): whole_shape(p, view.shapes[id(p)]) for p in view.params}
+        m = match(files, view.module, view.state_keys, shapes)
         problems = m.problems(strict)
     except WeightsError as e:
         problems = [str(e)]
     raise_on_every_rank(comm, problems, what=f"cannot load {os.fspath(path)}:")
-    params = {id(p) for p in engine.params}
+    params = {id(p) for p in view.params}
     reads = []  # what this rank reads: (chunk, slot, lo, hi, file key), its held range of each parameter
-    for c in engine.chunks:
+    for c in view.chunks:
         lo, hi = c.held_range()
         for s in c.slots:
             a, b = max(lo, s.offset) - s.offset, min(hi, s.offset + s.numel) - s.offset
             if id(s.param) in m.source and a < b:
                 reads.append((c, s, a, b, m.source[id(s.param)]))
-    buffers = [(t, m.source[id(t)]) for _, t in engine.state_keys if id(t) in m.source and id(t) not in params]
+    buffers = [(t, m.source[id(t)]) for _, t in view.state_keys if id(t) in m.source and id(t) not in params]
     if not files.allow_nonfinite:  # read everything once before writing anything: a refusal changes nothing
         bad = []
         for c, s, a, b, key in reads:
@@ -99,26 +100,26 @@ def _file_names(n: int) -> list[str]:
 
 
 @torch.no_grad()
-def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
+def save_pretrained(view: TrainingState, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
                     submodule: str = "") -> str:
     """See Engine.save_pretrained."""
     path = os.path.abspath(os.fspath(path))
-    if not submodule and adapter_marks(engine.module):
-        return save_adapter(engine, path, dtype)
+    if not submodule and adapter_marks(view.module):
+        return save_adapter(view, path, dtype)
     # Every rank holds every value once gathered, so the files are shared out over the whole world.
-    comm, limit = engine.world_comm, shard_size(max_shard_size)
-    module = engine.module.get_submodule(submodule)  # AttributeError naming it when there is none
+    comm, limit = view.world_comm, shard_size(max_shard_size)
+    module = view.module.get_submodule(submodule)  # AttributeError naming it when there is none
     prefix = submodule + "." if submodule else ""
     key_of = lambda name: name[len(prefix):] if name.startswith(prefix) else None  # noqa: E731
     # Every tensor once, in chunk order (the order values become available), then the buffers.
-    order = [s.name for c in engine.chunks for s in c.slots]
-    if engine.tp is not None:  # TP ranks may pack their shards apart; assembling follows TP rank 0
-        order = engine.tp.comm.broadcast_object(order)
-    slots = {s.name: s for c in engine.chunks for s in c.slots}
+    order = [s.name for c in view.chunks for s in c.slots]
+    if view.tp is not None:  # TP ranks may pack their shards apart; assembling follows TP rank 0
+        order = view.tp.comm.broadcast_object(order)
+    slots = {s.name: s for c in view.chunks for s in c.slots}
     tensors = [(key_of(n), dtype or torch.float32, whole_shape(slots[n].param, slots[n].shape)) for n in order
                if key_of(n) is not None]
-    params, seen, buffers = {id(p) for p in engine.params}, set(), {}
-    for name, t in engine.state_keys:
+    params, seen, buffers = {id(p) for p in view.params}, set(), {}
+    for name, t in view.state_keys:
         key = key_of(name)
         if key is not None and id(t) not in params and id(t) not in seen and torch.is_tensor(t):
             seen.add(id(t))
@@ -144,7 +145,7 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
             problems.append(f"rank 0: {type(e).__name__}: {e}")
     raise_on_every_rank(comm, problems, what=f"save_pretrained to {path} failed (files already there are as they were):")
     try:
-        _stream(engine, path, order, buffers, names, files, file_of, key_of, mine)
+        _stream(view, path, order, buffers, names, files, file_of, key_of, mine)
     except BaseException:  # this rank's partial files go, whatever stopped the save (a lost peer too)
         for out in mine.values():
             if out is not None:
@@ -167,19 +168,19 @@ def save_pretrained(engine, path, max_shard_size: int | str = "5GB", dtype: torc
     return path
 
 
-def _stream(engine, path: str, order: list[str], buffers: dict, names: list[str], files: list, file_of: dict,
+def _stream(view, path: str, order: list[str], buffers: dict, names: list[str], files: list, file_of: dict,
             key_of, mine: dict) -> None:
     """Collective: every value, gathered a chunk at a time, written by the rank that holds its file
     (`mine`: file index -> its StreamedSafetensors, made here); each rank's files synced and read
     back. A failure anywhere raises WeightsError on every rank, after every rank got this far."""
-    comm, problems = engine.world_comm, []
+    comm, problems = view.world_comm, []
     try:
         for i in mine:
             mine[i] = StreamedSafetensors(os.path.join(path, names[i]), files[i])
     except Exception as e:  # noqa: BLE001 -- reported on every rank
         problems.append(f"rank {comm.rank}: {type(e).__name__}: {e}")
     next_report = 0.25
-    for done, (s, value) in enumerate(whole_values(engine, order), 1):
+    for done, (s, value) in enumerate(whole_values(view, order), 1):
         key = key_of(s.name)
         out = None if key is None else mine.get(file_of[key])
         if out is not None and not problems:
@@ -215,41 +216,41 @@ def adapter_marks(module: nn.Module) -> tuple[str, ...]:
     return tuple(f".{name}." for name in configs)
 
 
-def save_adapter(engine, path: str, dtype: torch.dtype | None) -> str:
+def save_adapter(view: TrainingState, path: str, dtype: torch.dtype | None) -> str:
     """Collective: a peft model's adapters in peft's own format (what `PeftModel.save_pretrained`
     writes, and `PeftModel.from_pretrained` opens): only the chunks holding adapter tensors are
     gathered, never the frozen base; rank 0 hands peft their whole values to write."""
-    marks = adapter_marks(engine.module)
-    order = [s.name for c in engine.chunks for s in c.slots if any(m in s.name for m in marks)]
-    if engine.tp is not None:
-        order = engine.tp.comm.broadcast_object(order)
-    state = {s.name: value.to(dtype or torch.float32).cpu().clone() for s, value in whole_values(engine, order)}
+    marks = adapter_marks(view.module)
+    order = [s.name for c in view.chunks for s in c.slots if any(m in s.name for m in marks)]
+    if view.tp is not None:
+        order = view.tp.comm.broadcast_object(order)
+    state = {s.name: value.to(dtype or torch.float32).cpu().clone() for s, value in whole_values(view, order)}
     problems = []
-    if engine.world_comm.rank == 0:
+    if view.world_comm.rank == 0:
         try:
-            engine.module.save_pretrained(path, state_dict=state)
+            view.module.save_pretrained(path, state_dict=state)
         except Exception as e:  # noqa: BLE001 -- reported on every rank
             problems.append(f"{type(e).__name__}: {e}")
-    raise_on_every_rank(engine.world_comm, problems, what=f"saving the adapters to {path} failed:")
+    raise_on_every_rank(view.world_comm, problems, what=f"saving the adapters to {path} failed:")
     return path
 
 
-def whole_values(engine, order: list[str]) -> Iterator[tuple[object, torch.Tensor]]:
+def whole_values(view: TrainingState, order: list[str]) -> Iterator[tuple[object, torch.Tensor]]:
     """Collective: (slot, the parameter's whole fp32 value) for each parameter named in `order`
     (every rank the same order), a chunk gathered over the data-parallel group when first needed
     and dropped for the next, a tensor-parallel parameter then assembled over its TP group: a rank
     holds one gathered chunk and one whole tensor at a time."""
-    slot_of = {s.name: (c, s) for c in engine.chunks for s in c.slots}
+    slot_of = {s.name: (c, s) for c in view.chunks for s in c.slots}
     current = full = None
     for name in order:
         c, s = slot_of[name]
         if c is not current:
             full = None
-            with engine.comm.uncounted():
-                full = engine.layout.full_fp32(c)
+            with view.comm.uncounted():
+                full = view.layout.full_fp32(c)
             current = c
         value = full[s.offset:s.offset + s.numel].view(s.shape)
-        yield s, value if engine.tp is None else engine.tp.full_tensor(s.param, value)
+        yield s, value if view.tp is None else view.tp.full_tensor(s.param, value)
 
 
 def _finish_folder(module: nn.Module, path: str, names: list[str], files: list) -> None:
