@@ -37,8 +37,9 @@ from .config import Config, load_config
 from .optim.cpu_adam import CPUAdamW
 from .engine import Engine
 from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
-                     GradientsInChunksError, ModuleMovedError, NonFiniteError, PeerLostError, PeerLostInCheckpointError,
-                     ShardedParameterError, UninitializedTensorError, WeightsError, ZeroShardError)
+                     GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError, PeerLostError,
+                     PeerLostInCheckpointError, ShardedParameterError, UninitializedTensorError, WeightsError,
+                     ZeroShardError)
 from .planning.profiler import Profile, profile
 from .distributed.tensor_parallel import device_mesh
 
@@ -70,7 +71,7 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
-           "GradientsInChunksError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
+           "GradientsInChunksError", "ModuleCopyError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
            "PeerLostError", "PeerLostInCheckpointError", "UninitializedTensorError", "WeightsError",
            "ConfigError", "ZeroShardError"]
 

@@ -184,8 +184,7 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
         parts.reducer.count_at_leaf_end(p for leaf in world.leaves for _, p in hooks.params_of(leaf))
     route_zero_grad(module, on.zero_grad)
-    if (stage == 3 and comm.world > 1) or world.tp is not None:  # a forward is a collective
-        sync_generation(module)
+    sync_generation(module, on=(stage == 3 and comm.world > 1) or world.tp is not None)  # a forward is a collective
     guard_moves(module, lambda: layout.chunks)
     guard_grad_readers(list(model.params) + ([t for ts in hooks.placeholders.values() for _, t in ts]
                                              if hooks else []))

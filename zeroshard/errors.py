@@ -48,6 +48,11 @@ class ModuleMovedError(ZeroShardError, RuntimeError):
     """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
 
 
+class ModuleCopyError(ZeroShardError, TypeError):
+    """A module that zeroshard.initialize wrapped was pickled or copied (its parameters are views of
+    the engine's chunks and its hooks call the engine: a copy would not be a model of its own)."""
+
+
 class FrozenParameterError(ZeroShardError, RuntimeError):
     """A parameter frozen at `zeroshard.initialize` and unfrozen since has no param group to join:
     the optimizer callable split the tensors it was handed into several groups by position."""

@@ -14,6 +14,11 @@ plain torch, so no collective runs. Optimizer state is left as it is, as torch l
 that reads or writes parameters as whole tensors (state_dict, save_pretrained, in-place edits): every
 parameter is the whole fp32 value for its duration, and what it holds at the end is written back as a
 load would write it.
+
+The module's own methods that must reach the engine (zero_grad, generate, and _apply, which every
+move and cast goes through) are overridden by swapping each affected module's class for a subclass of
+it made once per class (as torch's fully_shard does); what they need is kept on the instance. A
+module so wrapped refuses to be pickled or copied (ModuleCopyError).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import GradientsInChunksError, ModuleMovedError
+from ..errors import GradientsInChunksError, ModuleCopyError, ModuleMovedError
 from .hooks import Stage3Hooks
 from ..units import direct_params
 from ..distributed.tensor_parallel import as_dtensor, local, local_value, set_local
@@ -83,36 +88,121 @@ class StateDictLoading:
             h.remove()
 
 
+class _ModuleState:
+    """What the overrides of a module's zeroshard class need, kept on the instance (one class serves
+    every instance of the user's class, and a second engine over the module only updates this)."""
+    __slots__ = ("zero_grad", "chunks", "sync_generation")
+
+    def __init__(self):
+        self.zero_grad = None  # the engine's zero_grad, a weak method (hooks.weak_method)
+        self.chunks = None  # () -> the engine's chunks, whose views the parameters must stay
+        self.sync_generation = False  # generate passes synced_gpus=True unless told otherwise
+
+
+_STATE = "_zeroshard_module_state"
+_subclasses: dict[type, type] = {}  # the user's class -> its zeroshard subclass, made once
+_originals: dict[type, type] = {}  # a zeroshard subclass -> the user's class
+
+
+def _takes_synced_gpus(cls: type) -> bool:
+    method = getattr(cls, "generate", None)
+    return callable(method) and "synced_gpus" in inspect.signature(method).parameters
+
+
+def _make_subclass(cls: type) -> type:
+    """The user's class with zero_grad, _apply (and generate, if it takes synced_gpus) overridden,
+    as torch's fully_shard swaps classes: each override reads the instance's _ModuleState and, where
+    it holds nothing for that method, is the user's method."""
+
+    class ZeroShardModule(cls):
+        # Same name, qualname, module and doc as the user's class: the HF Trainer, peft and Lightning
+        # decide by type(model).__name__, save_pretrained writes it into config.json's architectures,
+        # and repr() shows it. The class object is new all the same: pickle, which stores a class by
+        # module and qualname, would find the user's class and fail obscurely; __reduce_ex__ says why.
+        __slots__ = ()  # the instance layout of cls, so that __class__ can be assigned
+        __qualname__ = cls.__qualname__
+        __module__ = cls.__module__
+        __doc__ = cls.__doc__
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            state = vars(self).get(_STATE)
+            if state is None or state.zero_grad is None:
+                return super().zero_grad(set_to_none)
+            state.zero_grad()
+
+        def _apply(self, fn, recurse=True):
+            out = super()._apply(fn, recurse)
+            state = vars(self).get(_STATE)
+            if state is not None and state.chunks is not None:
+                _check_not_moved(state.chunks())
+            return out
+
+        if _takes_synced_gpus(cls):
+            @functools.wraps(cls.generate)
+            def generate(self, *args, **kwargs):
+                state = vars(self).get(_STATE)
+                if state is not None and state.sync_generation and kwargs.get("synced_gpus") is None:
+                    kwargs["synced_gpus"] = True
+                return super().generate(*args, **kwargs)
+
+        def __reduce_ex__(self, protocol):
+            raise _not_copyable(self, "pickled")
+
+        def __deepcopy__(self, memo):
+            raise _not_copyable(self, "deep-copied")
+
+        def __copy__(self):
+            raise _not_copyable(self, "copied")
+
+    ZeroShardModule.__name__ = cls.__name__
+    return ZeroShardModule
+
+
+def _not_copyable(module: nn.Module, how: str) -> ModuleCopyError:
+    return ModuleCopyError(
+        f"zeroshard: a {type(module).__name__} wrapped by zeroshard.initialize cannot be {how}: its parameters "
+        "are views of the engine's chunks (at stage 3, placeholders for shards) and its hooks call the engine, "
+        "so a copy would not be a model of its own. Save or copy the values instead: engine.full_state_dict() "
+        "(every rank) into a model built anew, engine.save_pretrained(...) or a checkpoint")
+
+
+def _state(module: nn.Module) -> _ModuleState:
+    """`module`'s _ModuleState, once its class is the zeroshard subclass of the user's class (a module
+    wrapped before keeps its class: its state is updated, no subclass is stacked on it)."""
+    cls = type(module)
+    if cls not in _originals:
+        sub = _subclasses.get(cls)
+        if sub is None:
+            sub = _subclasses[cls] = _make_subclass(cls)
+            _originals[sub] = cls
+        module.__class__ = sub
+    state = vars(module).get(_STATE)
+    if state is None:
+        state = vars(module)[_STATE] = _ModuleState()
+    return state
+
+
 def route_zero_grad(model: nn.Module, zero_grad: Callable[[], None]) -> None:
     """`model.zero_grad()` on the wrapped model drops the engine's gradients (they live in its
     chunks, not in the parameters' .grad): it calls `zero_grad` (Engine.zero_grad) instead."""
-    def model_zero_grad(set_to_none: bool = True) -> None:
-        zero_grad()
-    model.zero_grad = model_zero_grad
+    _state(model).zero_grad = zero_grad
 
 
-def sync_generation(model: nn.Module) -> list[str]:
+def sync_generation(model: nn.Module, on: bool = True) -> list[str]:
     """Stage 3 (or tensor parallelism) over several ranks: every forward is a collective, so ranks
     generating sequences of different lengths (sampling, EOS, their own max_new_tokens) must run
     the same number of forwards. transformers' `generate(synced_gpus=True)` does that (a finished
     rank runs on without using the results until every rank is done); it turns it on itself under
     DeepSpeed ZeRO-3 and FSDP. Here the `generate` of every module of the model that takes
     `synced_gpus` (the model itself, or a transformers model inside a LightningModule) passes
-    synced_gpus=True unless the caller gives True or False. Returns the names of the modules."""
+    synced_gpus=True unless the caller gives True or False. Returns the names of the modules.
+    `on=False` (an engine whose forward is no collective) turns it off where an earlier engine over the
+    same module turned it on."""
     wrapped = []
     for name, m in model.named_modules():
-        method = getattr(type(m), "generate", None)
-        if not callable(method) or "synced_gpus" not in inspect.signature(method).parameters:
-            continue
-        bound = m.generate
-
-        @functools.wraps(bound)
-        def generate(*args, __bound=bound, **kwargs):
-            if kwargs.get("synced_gpus") is None:
-                kwargs["synced_gpus"] = True
-            return __bound(*args, **kwargs)
-        m.generate = generate
-        wrapped.append(name)
+        if _takes_synced_gpus(_originals.get(type(m), type(m))) and (on or type(m) in _originals):
+            _state(m).sync_generation = on
+            wrapped.append(name)
     return wrapped
 
 
@@ -180,6 +270,29 @@ def guard_grad_readers(params) -> None:
     utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
+def _check_not_moved(chunks: list) -> None:
+    """Raise ModuleMovedError, with every parameter put back on its chunk, where one no longer
+    views its chunk."""
+    moved = []
+    for c in chunks:
+        if c.full is None:  # stage 3, sharded: the module holds placeholders
+            continue
+        for s in c.slots:
+            if s.numel and s.param.data_ptr() != c.full[s.offset:].data_ptr():
+                moved.append(s.name)
+        if moved:
+            c.bind_params()
+    if moved:
+        for c in chunks:
+            if c.full is not None:
+                c.bind_params()
+        raise ModuleMovedError(
+            f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved or cast after zeroshard.initialize "
+            "(model.to / .cuda / .half ...): the engine owns where parameters live and in which dtype. Move "
+            "the model before initialize, choose the dtype with the config's precision; the parameters "
+            "are back on their chunks (buffers may have moved)")
+
+
 def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:
     """`model.to(...)`, `.cuda()`, `.half()` and the like after initialize would point parameters at
     new tensors: the forward would read those, the optimizer would step the chunks, and training
@@ -187,32 +300,6 @@ def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:
     view their chunks; where one does not, every parameter is put back on its chunk and
     ModuleMovedError is raised (a move to where the parameters already are changes nothing and
     passes)."""
-    def check() -> None:
-        moved = []
-        for c in chunks():
-            if c.full is None:  # stage 3, sharded: the module holds placeholders
-                continue
-            for s in c.slots:
-                if s.numel and s.param.data_ptr() != c.full[s.offset:].data_ptr():
-                    moved.append(s.name)
-            if moved:
-                c.bind_params()
-        if moved:
-            for c in chunks():
-                if c.full is not None:
-                    c.bind_params()
-            raise ModuleMovedError(
-                f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved or cast after zeroshard.initialize "
-                "(model.to / .cuda / .half ...): the engine owns where parameters live and in which dtype. Move "
-                "the model before initialize, choose the dtype with the config's precision; the parameters "
-                "are back on their chunks (buffers may have moved)")
-
     for m in model.modules():
         if direct_params(m):
-            apply = m._apply
-
-            def guarded(fn, recurse=True, apply=apply):
-                out = apply(fn, recurse)
-                check()
-                return out
-            m._apply = guarded
+            _state(m).chunks = chunks

@@ -1,0 +1,237 @@
+"""The wrapped module's class (issue 31): zeroshard.initialize swaps each affected module's class for a
+subclass made once per class (as torch's fully_shard does) that overrides zero_grad, generate and
+_apply, instead of patching methods onto the instance. World 1, in this process."""
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import pickle
+import weakref
+
+import pytest
+import torch
+
+import zeroshard
+from zeroshard import ModuleCopyError
+from zeroshard.runtime.module_state import sync_generation
+
+
+class Net(torch.nn.Module):
+    """A user's module with a class of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.act = torch.nn.ReLU()
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.act(self.inp(x)))
+
+
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1)
+
+
+def wrap(model, stage):
+    return zeroshard.initialize(model, sgd, {"stage": stage})
+
+
+def tiny_gpt2():
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def snapshot(engine):
+    return {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+def assert_same_values(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def train_once(engine, x):
+    engine.backward(engine(x).float().pow(2).mean())
+    return engine.step()
+
+
+def assert_keeps_class(module, cls):
+    t = type(module)
+    assert t is not cls and t.__bases__ == (cls,), t.__mro__
+    assert isinstance(module, cls) and issubclass(t, cls)
+    assert (t.__name__, t.__qualname__, t.__module__) == (cls.__name__, cls.__qualname__, cls.__module__)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_class_is_a_subclass_with_the_users_names(stage):
+    model = Net()
+    wrap(model, stage)
+    assert_keeps_class(model, Net)
+    assert_keeps_class(model.inp, torch.nn.Linear)
+    assert type(model.inp) is type(model.out)  # one subclass per class, shared by its instances
+    assert type(model.act) is torch.nn.ReLU  # no parameters and not the root: left alone
+    assert repr(model).startswith("Net(") and "(inp): Linear(" in repr(model)
+    assert type(Net()) is Net  # the user's class itself is unchanged
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_zero_grad_drops_the_engines_gradients(stage):
+    model = Net()
+    engine = wrap(model, stage)
+    x = torch.randn(3, 4)
+    before = snapshot(engine)
+    engine.backward(engine(x).pow(2).mean())
+    model.zero_grad()
+    assert engine.step() is False  # nothing left to apply
+    assert_same_values(before, snapshot(engine))
+    assert train_once(engine, x) is True  # without model.zero_grad() the same step applies
+    after = snapshot(engine)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_move_or_cast_raises_and_puts_the_parameters_back(stage):
+    model = Net()
+    engine = wrap(model, stage)
+    x = torch.randn(3, 4)
+    train_once(engine, x)
+    # stage 3: the module holds placeholders, which refuse the cast themselves (hooks.py), before
+    # the class's _apply check runs
+    error, match = (zeroshard.ShardedParameterError, "used by (to|half|double) outside the forward") \
+        if stage == 3 else (zeroshard.ModuleMovedError, "moved or cast after zeroshard.initialize")
+    for move in (lambda: model.to(torch.float64), lambda: model.half(), lambda: model.inp.double()):
+        with pytest.raises(error, match=match):
+            move()
+        before = snapshot(engine)
+        assert all(v.dtype == torch.float32 for v in before.values())
+        assert train_once(engine, x) is True  # the parameters are the ones the engine trains
+        after = snapshot(engine)
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert torch.equal(engine(x), model(x))  # the module's forward reads what trained
+    model.to(torch.float32)  # to where the parameters are: nothing moves, nothing raises
+
+
+def test_two_engines_in_turn_do_not_stack_subclasses():
+    model = Net()
+    first = wrap(model, 2)
+    cls, inp_cls = type(model), type(model.inp)
+    x = torch.randn(3, 4)
+    assert train_once(first, x) is True
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # the module's class and state keep no engine alive
+
+    second = wrap(model, 2)
+    assert type(model) is cls and type(model.inp) is inp_cls
+    assert_keeps_class(model, Net)
+    before = snapshot(second)
+    second.backward(second(x).pow(2).mean())
+    model.zero_grad()  # reaches the second engine
+    assert second.step() is False
+    assert_same_values(before, snapshot(second))
+    with pytest.raises(zeroshard.ModuleMovedError):  # checked against the second engine's chunks
+        model.double()
+    assert train_once(second, x) is True
+    del second  # one engine at a time over a module
+    gc.collect()
+
+    third = wrap(model, 3)
+    assert type(model) is cls and type(model.inp) is inp_cls
+    before = snapshot(third)
+    third.backward(third(x).pow(2).mean())
+    model.zero_grad()
+    assert third.step() is False
+    assert_same_values(before, snapshot(third))
+    assert train_once(third, x) is True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pickling_or_copying_a_wrapped_module_raises_a_zeroshard_error(stage, tmp_path):
+    model = Net()
+    engine = wrap(model, stage)
+    for target in (model, model.inp):
+        for name, do in (("pickled", lambda: pickle.dumps(target)), ("deep-copied", lambda: copy.deepcopy(target)),
+                         ("copied", lambda: copy.copy(target)),
+                         ("pickled", lambda: torch.save(target, tmp_path / "m.pt"))):
+            with pytest.raises(ModuleCopyError, match=f"cannot be {name}.*full_state_dict") as info:
+                do()
+            assert isinstance(info.value, zeroshard.ZeroShardError) and isinstance(info.value, TypeError)
+    assert train_once(engine, torch.randn(3, 4)) is True  # nothing was left half done
+    # what the message points to works, and modules zeroshard never wrapped still pickle and copy
+    fresh = Net()
+    fresh.load_state_dict(engine.full_state_dict())
+    again = pickle.loads(pickle.dumps(fresh))
+    assert type(again) is Net and type(copy.deepcopy(fresh)) is Net
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(again(x), model(x))
+
+
+def test_gpt2_keeps_its_class_and_trains():
+    from transformers import GPT2LMHeadModel
+    model = tiny_gpt2()
+    engine = wrap(model, 2)
+    assert_keeps_class(model, GPT2LMHeadModel)
+    assert type(model).can_generate() and model.can_generate()
+    assert model.config_class is GPT2LMHeadModel.config_class
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = snapshot(engine)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    model.zero_grad()
+    assert engine.step() is False
+    assert_same_values(before, snapshot(engine))
+    with pytest.raises(zeroshard.ModuleMovedError):
+        model.to(torch.float64)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    assert engine.step() is True
+    with pytest.raises(ModuleCopyError):
+        copy.deepcopy(model)
+
+
+def test_gpt2_stage3_generate_passes_synced_gpus(monkeypatch):
+    from transformers import GPT2LMHeadModel
+    seen = []
+    original = GPT2LMHeadModel.generate
+
+    @functools.wraps(original)
+    def spy(self, *args, **kwargs):  # records what reached the user's class, then generates on this rank
+        seen.append(kwargs.get("synced_gpus"))
+        kwargs.pop("synced_gpus", None)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(GPT2LMHeadModel, "generate", spy)
+
+    model = tiny_gpt2()
+    ids = torch.tensor([[1, 2, 3, 4]])
+
+    def generate(**kwargs):
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, **kwargs)
+        assert out.shape == (1, 7) and torch.equal(out[:, :4], ids)
+        return seen.pop()
+
+    engine = wrap(model, 2)  # first a stage-2 engine, then a stage-3 one over the same model
+    model.eval()
+    assert generate() is None
+    del engine
+    gc.collect()
+    engine = wrap(model, 3)
+    model.eval()
+    # world 1 does not need it: initialize leaves generate as it is
+    assert generate() is None
+    # what initialize does at stage 3 over several ranks (assembly.install_hooks)
+    assert sync_generation(model) == [""]
+    assert generate() is True
+    assert generate(synced_gpus=False) is False  # the caller's choice stands
+    assert generate(synced_gpus=True) is True
+    assert_keeps_class(model, GPT2LMHeadModel)  # one subclass, whatever the engines before
+    # what a later engine whose forward is no collective does (assembly passes on=False)
+    assert sync_generation(model, on=False) == [""]
+    assert generate() is None
+    assert not seen and engine.stage == 3
