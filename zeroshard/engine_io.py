@@ -145,7 +145,8 @@ class EngineIO:
         GatheredParameters)."""
         if self.phase is not TrainingPhase.IDLE:
             raise RuntimeError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
-        with full_parameters(self, writeback):
+        self._quiesce()
+        with full_parameters(self.layout, self.hooks, self.params, writeback):
             self.phase = TrainingPhase.FULL_PARAMETERS
             try:
                 yield

@@ -215,27 +215,25 @@ def _write(c, s, value: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def full_parameters(engine, writeback: bool):
-    """See Engine.full_parameters."""
-    engine.apply_delayed_update()
-    if engine.stage == 3:
-        engine.cache.flush()
-    values = engine.layout.full_values()  # collective: fp32, from the masters (frozen: the 16-bit copies)
-    for p in engine.params:
+def full_parameters(layout, hooks: Stage3Hooks | None, params: list[nn.Parameter], writeback: bool):
+    """See Engine.full_parameters (which first lands any update in flight and empties the rCache).
+    `layout`: the ChunkLayout; `hooks`: stage 3's, which put the real parameters in the entries."""
+    values = layout.full_values()  # collective: fp32, from the masters (frozen: the 16-bit copies)
+    for p in params:
         set_local(p, values[id(p)])
-    if engine.hooks is not None:
-        engine.hooks.show_real_parameters(True)
+    if hooks is not None:
+        hooks.show_real_parameters(True)
     try:
         yield
         if writeback:
-            for c in engine.chunks:
+            for c in layout.chunks:
                 for s in c.slots:
                     _write(c, s, local(s.param).data)
     finally:
-        if engine.hooks is not None:
-            engine.hooks.show_real_parameters(False)
-        for c in engine.chunks:
-            if engine.stage == 3:
+        if hooks is not None:
+            hooks.show_real_parameters(False)
+        for c in layout.chunks:
+            if c.stage == 3:
                 c.unbind_params()
             else:
                 c.bind_params()
