@@ -7,7 +7,8 @@ import torch
 
 import zeroshard
 from zeroshard.runtime.cache import ChunkCache
-from zeroshard.runtime.chunks import ALIGN, Chunk, ChunkState, Slot, auto_chunk_size, pack
+from zeroshard.runtime.chunks import Chunk, ChunkState
+from zeroshard.runtime.packing import ALIGN, Slot, auto_chunk_size, pack
 from zeroshard.distributed.collectives import Comm
 from zeroshard.config import Config, load_config
 

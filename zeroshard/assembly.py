@@ -21,7 +21,7 @@ from .optim.optimizer import ShardedOptimizer, as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache
-from .runtime.chunks import auto_chunk_size
+from .runtime.packing import auto_chunk_size
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues

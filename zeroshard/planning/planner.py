@@ -28,7 +28,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from ..runtime.chunks import pack_groups, padded_numel
+from ..runtime.packing import pack_groups, padded_numel
 from .hardware import GIB, Hardware
 from ..runtime.offload import Placement
 from .profiler import Profile

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from .chunks import Chunk, ChunkState, Fill, Slot, pack_groups
+from .chunks import Chunk, ChunkState
+from .packing import Fill, Slot, pack_groups
 from ..distributed.collectives import Comm
 from .hooks import FirstUseRecorder
 from ..units import direct_params

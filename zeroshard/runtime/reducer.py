@@ -20,7 +20,8 @@ import collections
 
 import torch
 
-from .chunks import Chunk, GradState, Slot
+from .chunks import Chunk, GradState
+from .packing import Slot
 from ..distributed.collectives import Comm
 
 MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
