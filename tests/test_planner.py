@@ -10,7 +10,8 @@ import torch
 import zeroshard
 from models import CUDA, make_sgd, max_diff, reference, tiny_gpt2
 from zeroshard.planning.hardware import CUDA_RESERVE, GIB, Hardware
-from zeroshard.planning.planner import Planner, Target, belady_loads, chunk_sequence, layout
+from zeroshard.planning.planner import Planner, Target
+from zeroshard.planning.schedule import belady_loads, chunk_sequence, layout
 
 RESERVE = CUDA_RESERVE if CUDA else 0  # what the planner keeps back on the engine's device
 

@@ -17,7 +17,8 @@ from .config import Config
 from .distributed.collectives import Comm, default_device, init_process_group
 from .distributed.tensor_parallel import TensorParallel, local_shape
 from .optim.loss_scale import LossScaler
-from .optim.optimizer import ShardedOptimizer, as_factory, default_optimizer
+from .optim.optimizer import ShardedOptimizer
+from .optim.param_groups import as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache

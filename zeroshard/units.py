@@ -104,3 +104,51 @@ def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, l
         elif direct_params(m) or m is model:
             units[m] = [m] if direct_params(m) else []
     return units
+
+
+class BackwardHolds:
+    """Stage 3's holds in backward: from a unit's pre-backward until every trainable parameter of it
+    has its gradient, its chunks stay gathered (a leaf's until the gradient reaches its inputs, one
+    with no trainable parameter until the backward ends: both begin with `waiting_for=None` or an
+    empty set and end by `end`/`end_all`). runtime/hooks.py gathers and releases by it; the
+    profiler predicts the same schedule with it."""
+
+    def __init__(self, owners: dict):
+        self.owners = owners  # a parameter's key -> the units that hold it (the caller keeps it current)
+        self.pending: dict = {}  # unit -> keys whose gradient it still waits for (None: none by gradient)
+
+    def __contains__(self, unit) -> bool:
+        return unit in self.pending
+
+    def begin(self, unit, waiting_for: set | None) -> bool:
+        """Hold `unit`; False if it is held already (a module whose outputs reach the loss twice)."""
+        if unit in self.pending:
+            return False
+        self.pending[unit] = waiting_for
+        return True
+
+    def arrived(self, key) -> list:
+        """A parameter's gradient arrived: the units whose hold it ended, in the owners' order."""
+        ended = []
+        for unit in self.owners.get(key, ()):
+            waiting = self.pending.get(unit)
+            if waiting is None:  # not held, or held until its inputs' gradient / the end of backward
+                continue
+            waiting.discard(key)
+            if not waiting:
+                del self.pending[unit]
+                ended.append(unit)
+        return ended
+
+    def end(self, unit) -> bool:
+        """End `unit`'s hold; whether it was held."""
+        return self.pending.pop(unit, _NOT_HELD) is not _NOT_HELD
+
+    def end_all(self) -> list:
+        """End every hold (the backward is over); the units, in the order their holds began."""
+        units = list(self.pending)
+        self.pending.clear()
+        return units
+
+
+_NOT_HELD = object()

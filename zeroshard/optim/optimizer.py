@@ -47,27 +47,6 @@ from ..distributed.ordering import PUBLISH
 from .param_groups import ParamGroups, as_factory
 
 
-def default_optimizer(host: bool):
-    """AdamW, lr 1e-3: torch's, or zeroshard's CPUAdamW when the step runs on the host."""
-    if host:
-        from .cpu_adam import CPUAdamW
-        return lambda params: CPUAdamW(params, lr=1e-3)
-    return lambda params: torch.optim.AdamW(params, lr=1e-3)
-
-
-PROBE_NUMEL = 64
-
-
-def probe_state(make_opt) -> dict:
-    """The state the user's optimizer keeps for one parameter, found by stepping it once on a
-    PROBE_NUMEL-element tensor: what it holds per element, and its names."""
-    p = torch.zeros(PROBE_NUMEL, requires_grad=True)
-    p.grad = torch.zeros(PROBE_NUMEL)
-    opt = make_opt([p])
-    opt.step()
-    return dict(opt.state.get(p, {}))
-
-
 class UpdateState(enum.Enum):
     """The delayed update's lifecycle (see the module docstring)."""
 

@@ -9,7 +9,8 @@ changes to them) apply to exactly its parameters:
 - a callable is given this rank's pieces; one that ignores them and builds groups from the model's
   own parameters is taken as if that optimizer had been passed (it used to train nothing).
 A trainable parameter in no group is never stepped, as in torch. Some optimizers make state when
-built (Adagrad's accumulator): it is made again for the pieces whenever they change.
+built (Adagrad's accumulator): it is made again for the pieces whenever they change. Also here: the
+default optimizer, and `probe_state`, which finds what state the user's optimizer keeps.
 """
 from __future__ import annotations
 
@@ -143,3 +144,24 @@ def as_factory(optimizer):
     cls = type(optimizer)
     kw = _constructor_args(cls, optimizer.param_groups[0])
     return lambda params: cls(params, **kw)
+
+
+def default_optimizer(host: bool):
+    """AdamW, lr 1e-3: torch's, or zeroshard's CPUAdamW when the step runs on the host."""
+    if host:
+        from .cpu_adam import CPUAdamW
+        return lambda params: CPUAdamW(params, lr=1e-3)
+    return lambda params: torch.optim.AdamW(params, lr=1e-3)
+
+
+PROBE_NUMEL = 64
+
+
+def probe_state(make_opt) -> dict:
+    """The state the user's optimizer keeps for one parameter, found by stepping it once on a
+    PROBE_NUMEL-element tensor: what it holds per element, and its names."""
+    p = torch.zeros(PROBE_NUMEL, requires_grad=True)
+    p.grad = torch.zeros(PROBE_NUMEL)
+    opt = make_opt([p])
+    opt.step()
+    return dict(opt.state.get(p, {}))

@@ -55,7 +55,7 @@ def optimizer_state_bytes(make_opt) -> int:
     """Bytes of optimizer state per parameter element (AdamW: 8, SGD with momentum: 4)."""
     if make_opt is None:
         return 8
-    from ..optim.optimizer import PROBE_NUMEL, probe_state
+    from ..optim.param_groups import PROBE_NUMEL, probe_state
     state = probe_state(make_opt)
     n = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     return max(0, n // PROBE_NUMEL)

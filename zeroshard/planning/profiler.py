@@ -23,20 +23,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
 
 from ..distributed.tensor_parallel import as_dtensor, local, local_shape
-from ..units import direct_params, leaf_modules, unit_members
+from .meta_counters import AttentionAsOnDevice, LiveBytes, SavedBytes
+from ..units import BackwardHolds, direct_params, leaf_modules, unit_members
 
 log = logging.getLogger("zeroshard")
 
@@ -103,104 +100,8 @@ class Profile:
                 + f"; profiled in {self.seconds:.2f} s")
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Follows every storage created by an operator until it is freed; keeps the peak of their sum.
-    Also counts matmul-like flops with torch's flop formulas."""
-
-    def __init__(self, known: set[int]):
-        super().__init__()
-        self.known = known  # storages that existed before the step (parameters, inputs, buffers)
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-        self.peak_phase = ""
-        self.phase = "forward"
-        self.flops = 0
-        self.assumed = 0  # values of meta tensors read by the model (see _assumed_value)
-        self.collectives = 0  # the model's own collectives (tensor parallelism's), and
-        self.collective_bytes = 0.0  # the bytes each rank moves in them (ring accounting)
-
-    def _assumed_value(self, t: torch.Tensor):
-        """A meta tensor has no values, so a model that reads one (`.item()`, `if mask.all():`) gets
-        an assumed one: True for a boolean (such checks usually guard the common case: no padding,
-        no packing), else 0. Said once, since the trace past that point may differ from training.
-        Tensors on a real device (the model's own `torch.rand([])`, say) are read as they are."""
-        value = True if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
-        if not self.assumed:
-            log.warning("the model reads a tensor's value (%s); on the meta device "
-                        "there is none, assuming %r. If a branch depends on it, the profile may differ "
-                        "from training; the runtime then falls back (and says so).", t.dtype, value)
-        self.assumed += 1
-        return value
-
-    def _count_collective(self, op, args) -> None:
-        """A collective of the functional API (what DTensor issues): a ring all-reduce of M bytes
-        moves 2M(n-1)/n per rank; an all-gather (M: its output) or reduce-scatter (M: its input) M(n-1)/n.
-        On meta tensors nothing is sent: the meta kernels only shape the outputs."""
-        c10d = torch.ops._c10d_functional
-        factors = {c10d.all_reduce: 2.0, c10d.all_gather_into_tensor: 1.0, c10d.reduce_scatter_tensor: 1.0}
-        if op not in factors:
-            return
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        n = _resolve_process_group(args[-1]).size()
-        size = args[0].numel() * args[0].element_size() * (n if op is c10d.all_gather_into_tensor else 1)
-        self.collectives += 1
-        self.collective_bytes += factors[op] * size * (n - 1) / n
-
-    def _free(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
-            # Only a meta tensor lacks a value: a real one (`torch.rand([]) < p`, as in LayerDrop) is read
-            # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
-            return self._assumed_value(args[0])
-        out = func(*args, **kwargs)
-        if func.namespace == "_c10d_functional":
-            self._count_collective(func._overloadpacket, args)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:  # per rank: a tensor-parallel operator's flops are those of its shards
-            self.flops += count(*tree_map(local, args), **tree_map(local, kwargs), out_val=tree_map(local, out))
-        flat, _ = tree_flatten(out)
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = local(t).untyped_storage()
-            key = st._cdata
-            if key in self.live or key in self.known:
-                continue
-            n = st.nbytes()
-            self.live[key] = n
-            self.current += n
-            weakref.finalize(st, self._free, key)
-        if self.current > self.peak:
-            self.peak, self.peak_phase = self.current, self.phase
-        return out
 
 
-class _SavedBytes:
-    """Saved-tensor accounting: the peak bytes of distinct storages autograd holds for backward,
-    storages in `known` (parameters) excluded."""
-
-    def __init__(self, known: set[int]):
-        self.known = known
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _drop(self, key: int) -> None:
-        self.current -= self.live.pop(key, 0)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = local(t).untyped_storage()
-        key = st._cdata
-        if key not in self.known and key not in self.live:
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._drop, key)
-        return t
 
 
 def _split_inputs(example_inputs):
@@ -225,7 +126,7 @@ def measure(model: nn.Module, example_inputs, *, loss_fn=None) -> dict[str, int]
     known |= {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
              for p in model.parameters() if p.requires_grad]
-    saved, live = _SavedBytes(params), _LiveBytes(known)
+    saved, live = SavedBytes(params), LiveBytes(known)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -246,65 +147,6 @@ def measure(model: nn.Module, example_inputs, *, loss_fn=None) -> dict[str, int]
     return out
 
 
-class _AttentionAsOnDevice:
-    """scaled_dot_product_attention picks its kernel by device; on meta it always decomposes into
-    the math kernel, which saves the whole attention matrix (seq^2 per head) where flash attention
-    saves one row statistic. So ask the device that will train which kernel it would use (on empty
-    tensors of the same shapes with batch 1: CPU pages are never touched) and call that kernel on
-    the meta tensors. For a GPU not present here: flash attention in 16-bit without a mask, else
-    memory-efficient attention.
-
-    For the duration of the profile, torch.nn.functional.scaled_dot_product_attention is replaced
-    (meta tensors only; anything else goes to the original). A torch function mode would be cleaner
-    but does not reach the forwards that activation checkpointing re-runs inside backward, and a
-    recomputation that picks another kernel than its forward is an error. Code that bound the
-    function at import time (`from torch.nn.functional import scaled_dot_product_attention`) is not
-    reached either and is profiled with the math kernel: an overestimate, never an underestimate."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.original = None
-
-    def __enter__(self):
-        self.original = F.scaled_dot_product_attention
-
-        def sdpa(*args, **kwargs):
-            out = self._sdpa(*args, **kwargs)
-            return self.original(*args, **kwargs) if out is None else out
-        F.scaled_dot_product_attention = sdpa
-        return self
-
-    def __exit__(self, *exc):
-        F.scaled_dot_product_attention = self.original
-
-    def _choice(self, q, k, v, mask, dropout_p, is_causal, scale) -> int:
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            return 1 if q.dtype in (torch.float16, torch.bfloat16) and mask is None else 2
-
-        def real(t):
-            if t is None:
-                return None
-            shape = (1,) + tuple(t.shape[1:]) if t.dim() > 0 else ()
-            return torch.empty(shape, dtype=t.dtype, device=self.device).requires_grad_(t.requires_grad)
-
-        return torch._fused_sdp_choice(real(q), real(k), real(v), real(mask), dropout_p, is_causal, scale=scale)
-
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-              enable_gqa=False):
-        if query.device.type != "meta" or enable_gqa:
-            return None
-        choice = self._choice(query, key, value, attn_mask, dropout_p, is_causal, scale)
-        aten = torch.ops.aten
-        if choice == 1 and self.device.type == "cpu":
-            return aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-        if choice == 1 and attn_mask is None:
-            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                            scale=scale)[0]
-        if choice == 2:
-            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
-                                                                dropout_p, is_causal, scale=scale)[0]
-        return None  # math: the meta decomposition is that kernel
 
 
 def _meta_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -387,8 +229,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
 
     trace: list[Event] = []
     first_seen: dict[int, None] = {}
-    held: dict[str, set[int]] = {}  # module -> trainable params whose gradient is pending (as stage 3)
-    owners: dict[int, list[str]] = {}
+    owners: dict[int, list[str]] = {}  # parameter index -> modules holding it in backward
+    held = BackwardHolds(owners)  # as stage 3 holds (runtime/hooks.py), by module name
     state = {"backward": False}
     units = unit_members(model, leaf_modules(model, "auto") if leaves is None else list(leaves))
     direct = {m: mname for mname, m in model.named_modules() if units.get(m)}  # units with parameters
@@ -408,9 +250,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
 
     def pre_backward(mname, ps):
         state["backward"] = True
-        if mname in held:
+        if not held.begin(mname, {i for i in ps if infos[i].requires_grad}):
             return
-        held[mname] = {i for i in ps if infos[i].requires_grad}
         for i in ps:
             owners.setdefault(i, [])
             if mname not in owners[i]:
@@ -427,12 +268,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     def grad_arrived(p):
         i = index[id(p)]
         p.grad = None  # the engine moves gradients into chunks: they do not stay on the parameter
-        for mname in owners.get(i, ()):
-            pending = held.get(mname)
-            if pending is not None:
-                pending.discard(i)
-                if not pending:
-                    del held[mname]
+        held.arrived(i)
 
     handles = []
     for m in direct:
@@ -442,18 +278,18 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_arrived))
 
-    saved = _SavedBytes(known)
+    saved = SavedBytes(known)
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    live = _LiveBytes(known)
+    live = LiveBytes(known)
     was_training = model.training
     model.train()
     for entries, n, _, new in swaps:
         entries[n] = new
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live, \
-                _AttentionAsOnDevice(torch.device(device)):
+                AttentionAsOnDevice(torch.device(device)):
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
             del out

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from .chunks import ChunkState
 from ..errors import ShardedParameterError
-from ..units import direct_params, unit_members
+from ..units import BackwardHolds, direct_params, unit_members
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -248,7 +248,7 @@ class Stage3Hooks:
             self._swap(unit, real=False)
         # unit -> ids of params whose grads are pending; None: a leaf, whose hold ends when the
         # gradient reaches its inputs (_AfterUnitBackward)
-        self.held: dict[nn.Module, set[int] | None] = {}
+        self.held = BackwardHolds(self.owners)
         # Unit calls whose forward started but has not ended. Non-reentrant checkpointing stops a
         # recomputation early by raising inside the forward, so some never end: they are closed
         # when backward ends (and an exception in a user's forward leaves some for the next call).
@@ -363,30 +363,23 @@ class Stage3Hooks:
 
     def _pre_backward(self, unit) -> None:
         self.in_backward = True
-        if unit in self.held:
-            return
         # A unit with no trainable parameter keeps its hold until the end of backward.
-        self.held[unit] = None if unit in self.leaves else \
-            {id(p) for _, p in self.params_of(unit) if p.requires_grad}
+        if not self.held.begin(unit, None if unit in self.leaves else
+                               {id(p) for _, p in self.params_of(unit) if p.requires_grad}):
+            return
         for c in self.chunks_of(unit):
             self.cache.acquire(c)
 
     def grad_arrived(self, param: nn.Parameter) -> None:
-        for m in self.owners.get(id(param), ()):
-            pending = self.held.get(m)
-            if pending is None:  # not held, or a leaf (its inputs' gradient ends the hold)
-                continue
-            pending.discard(id(param))
-            if not pending:
-                self._end_hold(m)
+        for m in self.held.arrived(id(param)):
+            self._release_held(m)
 
     def _end_leaf_backward(self, unit) -> None:
         self.on_leaf_backward([p for _, p in self.params_of(unit)])
-        if unit in self.held:
-            self._end_hold(unit)
+        if self.held.end(unit):
+            self._release_held(unit)
 
-    def _end_hold(self, unit) -> None:
-        del self.held[unit]
+    def _release_held(self, unit) -> None:
         for c in self.chunks_of(unit):
             self.cache.release(c)
 
@@ -412,6 +405,6 @@ class Stage3Hooks:
 
     def end_backward(self) -> None:
         self.close_open_forwards()
-        for m in list(self.held):
-            self._end_hold(m)
+        for m in self.held.end_all():
+            self._release_held(m)
         self.in_backward = False

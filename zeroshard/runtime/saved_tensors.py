@@ -118,8 +118,8 @@ class SavedTensorHooks:
                 and not isinstance(t, torch.nn.Parameter) and not self.is_model_state(t):
             part = self.partition.pack(t)
             if part is not None:
-                piece = part.piece.tensor if isinstance(part.piece, Pending) else part.piece
-                on_host = isinstance(part.piece, Pending)
+                piece = part.fragment.tensor if isinstance(part.fragment, Pending) else part.fragment
+                on_host = isinstance(part.fragment, Pending)
                 self._count(piece, on_host)
                 return tl.track(part, piece, on_host) if tl is not None else part
         packed = self.offload.pack(t) if self.offload is not None else t

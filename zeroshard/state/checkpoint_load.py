@@ -18,7 +18,7 @@ from ..files.checkpoint_dirs import held, lease
 from ..files.checkpoint_files import (Piece, SafeReader, dcp_load, failure, read_extra, read_meta, read_sums,
                                verify_all)
 from ..errors import CheckpointError
-from ..optim.optimizer import probe_state
+from ..optim.param_groups import probe_state
 from .view import TrainingState
 
 log = logging.getLogger("zeroshard")
