@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import datetime
 
 import torch
@@ -135,12 +136,14 @@ class OrderCheck:
         self.raise_if_failed()
         buf = torch.tensor([tag, -tag], dtype=torch.int64)
         self.comparisons += 1
+        _unfinished[id(buf)] = buf
         with waiting(lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}", self.timeout_s):
             return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def finish(self, tag: int, buf: torch.Tensor, work) -> None:
         wait_for(work, lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}",
                  self.timeout_s)
+        _unfinished.pop(id(buf), None)
         hi, lo = int(buf[0]), -int(buf[1])
         if hi != lo and self.failure is None:
             # Ranks may have started different numbers of comparisons on this group: an engine
@@ -239,6 +242,8 @@ _check_groups: dict = {}  # process group -> its check group, shared by the engi
 # Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it
 # queued, and after a divergence some are never paired.
 _retired: list = []
+# The buffers of comparisons started and not finished (id -> buffer). See forget_check_groups.
+_unfinished: dict = {}
 
 
 def _retire_check_groups() -> None:
@@ -247,9 +252,19 @@ def _retire_check_groups() -> None:
 
 
 def forget_check_groups() -> None:
-    """Let go of every check group (at interpreter exit: collectives._take_down_groups)."""
+    """Let go of every check group (at interpreter exit: collectives._take_down_groups), except
+    those retired after a divergence. Their destructor would wait, up to the collective timeout,
+    for comparisons that no peer will ever pair (seen: a rank held 600 s at exit after the desync
+    scenarios), so they and the buffers of unfinished comparisons are deliberately never freed:
+    no destructor runs, and a gloo worker that gives up on a comparison during the interpreter's
+    teardown drops no last reference to a Python tensor (which would need the GIL then, the abort
+    that _take_down_groups exists to avoid). The process's exit ends their threads."""
     _check_groups.clear()
-    _retired.clear()
+    if _retired or _unfinished:
+        kept = (list(_retired), list(_unfinished.values()))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # never reaches zero references
+        _retired.clear()
+        _unfinished.clear()
 
 
 def has_check_group(group) -> bool:
