@@ -23,6 +23,28 @@ def test_tensor_parallel_config_refuses_what_it_cannot_do():
     assert load_config({"tensor_parallel": 2, "partition_activations": True}).tensor_parallel == 2
 
 
+def test_shard_group_size_config_refuses_what_it_cannot_do():
+    for bad in (0, -2, "gpu", 2.0, True):
+        with pytest.raises(zeroshard.ConfigError, match="shard_group_size"):
+            load_config({"shard_group_size": bad})
+    for combo, words in (({"stage": 0}, "stage 0 shards nothing"), ({"offload": "auto", "stage": 3}, "not planned"),
+                         ({"offload_optimizer": True, "delay_update_after": 1}, "delay_update_after")):
+        with pytest.raises(zeroshard.ConfigError, match=words):
+            load_config({"shard_group_size": 2, **combo})
+    assert load_config({"shard_group_size": "node", "stage": 3}).shard_group_size == "node"
+
+
+def test_shard_group_size_must_divide_the_data_parallel_world(monkeypatch):
+    from zeroshard.distributed.shard_groups import resolve_group_size
+    assert resolve_group_size(None, 6) == 6 and resolve_group_size(3, 6) == 3
+    with pytest.raises(zeroshard.ConfigError, match="does not divide the 6 data-parallel ranks"):
+        resolve_group_size(4, 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_group_size("node", 8) == 4 and resolve_group_size("node", 4, tensor_parallel=2) == 2
+    with pytest.raises(zeroshard.ConfigError, match="do not split into tensor-parallel groups of 3"):
+        resolve_group_size("node", 6, tensor_parallel=3)
+
+
 @pytest.mark.parametrize("key,value,valid", [
     ("stage", 4, "0, 1, 2, 3 or 'auto'"), ("stage", True, "0, 1, 2, 3 or 'auto'"), ("precision", "fp8", "'bf16'"),
     ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from .config import Config
 from .distributed.collectives import Comm, default_device, init_process_group
+from .distributed.shard_groups import ShardGroups, resolve_group_size
 from .distributed.tensor_parallel import TensorParallel, local_shape
 from .optim.loss_scale import LossScaler
 from .optim.optimizer import ShardedOptimizer
@@ -42,7 +43,8 @@ class World:
     """Where the engine runs and whom it talks to."""
     device: torch.device
     tp: TensorParallel | None  # the tensor-parallel side; ZeRO runs over its "dp" group
-    comm: Comm  # the data-parallel group: chunks, reductions, gathers
+    comm: Comm  # the data-parallel group: the step's divisor, flags and norm, checkpoints
+    shards: ShardGroups  # the chunks' collectives: inside the shard group, across the groups
     # Every rank, TP peers included: what one rank decides or fails at (a plan, an unreadable file)
     # reaches them all, so none goes on alone.
     world_comm: Comm
@@ -58,7 +60,9 @@ def join_world(module: nn.Module, config: Config, device: torch.device | None) -
     init_process_group(device, config.collective_timeout_s)
     tp = TensorParallel(module, config.tensor_parallel, device) if config.tensor_parallel > 1 else None
     comm = Comm(device, group=tp.dp_group if tp else None)
-    return World(device, tp, comm, tp.world_comm if tp else comm, Transfer(device),
+    size = resolve_group_size(config.shard_group_size, comm.world, config.tensor_parallel)
+    shards = ShardGroups(comm, size, config.tensor_parallel)
+    return World(device, tp, comm, shards, tp.world_comm if tp else comm, Transfer(device),
                  leaf_modules(module, config.leaf_modules))
 
 
@@ -121,12 +125,12 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     placement = Placement(optimizer_on_host=config.offload_optimizer, params_on_host=config.offload_params)
     chosen = planned.plan
     placement_of = (lambda i: placement) if chosen is None else (lambda i: chosen.placement(i, config.stage))
-    layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.comm, dtype=config.dtype,
+    layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.shards, dtype=config.dtype,
                          device=world.device, transfer=world.transfer, chunk_size=max(cap, max(numels)),
                          placement_of=placement_of,  # the config's placement, or the plan's per chunk
                          grad_dtype=config.grad_dtype)
-    cache = ChunkCache(world.comm, config.cache_chunks, config.prefetch)
-    reducer = GradientReducer(world.comm, config.stage, config.gradient_accumulation_steps)
+    cache = ChunkCache(world.shards, config.cache_chunks, config.prefetch)
+    reducer = GradientReducer(world.shards, config.stage, config.gradient_accumulation_steps)
     scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
     host = config.offload_optimizer or (chosen is not None and any(chosen.optimizer_on_host))
     delayed = config.delay_update_after is not None
@@ -135,9 +139,9 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
                              clip_grad_norm=config.clip_grad_norm, scaler=scaler,
                              delay_after=config.delay_update_after,
                              side_comm=world.comm.side_channel() if delayed else None,
-                             nonfinite=config.nonfinite, measure_norm=config.grad_norm)
+                             nonfinite=config.nonfinite, measure_norm=config.grad_norm, shards=world.shards)
     if config.check_order:
-        world.comm.enable_order_checks()
+        world.shards.enable_order_checks()
     return Parts(layout, cache, reducer, scaler, optim)
 
 
@@ -185,14 +189,14 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
         parts.reducer.count_at_leaf_end(p for leaf in world.leaves for _, p in hooks.params_of(leaf))
     route_zero_grad(module, on.zero_grad)
-    sync_generation(module, on=(stage == 3 and comm.world > 1) or world.tp is not None)  # a forward is a collective
+    sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)  # a forward is a collective
     guard_moves(module, lambda: layout.chunks)
     guard_grad_readers(list(model.params) + ([t for ts in hooks.placeholders.values() for _, t in ts]
                                              if hooks else []))
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)
     delayed = config.delay_update_after is not None
-    arrivals = ArrivalHooks(module, layout.chunks_of) if stage in (1, 2) and (comm.world > 1 or delayed) else None
+    arrivals = ArrivalHooks(module, layout.chunks_of) if stage in (1, 2) and (world.shards.world > 1 or delayed) else None
     for p in model.params:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(on.grad_arrived)

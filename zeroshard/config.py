@@ -101,6 +101,12 @@ class Config:
     allow_nonfinite_weights: pretrained weights (initialize's `weights`, engine.load_weights) that
         hold NaN or inf are refused with WeightsError naming the tensors, unless this is True (a
         checkpoint that holds them on purpose).
+    shard_group_size: hybrid sharding (distributed/shard_groups.py): model states are sharded over
+        groups of this many consecutive data-parallel ranks and replicated across the groups
+        (FSDP2's HSDP, DeepSpeed's MiCS); gradients are reduce-scattered inside a group, then each
+        shard all-reduced across the groups. An integer dividing the data-parallel world, 'node'
+        for the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE / tensor_parallel),
+        or None (default) for the whole data-parallel world. Stages 1-3.
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -134,6 +140,7 @@ class Config:
     partition_activations: bool = False
     leaf_modules: str | tuple[str, ...] = "auto"
     allow_nonfinite_weights: bool = False
+    shard_group_size: int | str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -242,6 +249,19 @@ class Config:
         if self.partition_activations and self.tensor_parallel == 1:
             raise ConfigError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
                              "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")
+        if self.shard_group_size is not None:
+            if self.shard_group_size != "node" and (not is_int(self.shard_group_size) or self.shard_group_size < 1):
+                bad("shard_group_size", "an integer >= 1 (ranks per shard group), 'node', or None for the whole "
+                                        "data-parallel world")
+            if self.stage == 0:
+                raise ConfigError("zeroshard config: shard_group_size shards model states inside groups of ranks: "
+                                  "stage 0 shards nothing (use stage 1, 2 or 3)")
+            if self.planned:
+                raise ConfigError("zeroshard config: shard_group_size is not planned by offload/stage 'auto' yet; "
+                                  "set the stage and offload yourself with it")
+            if self.delay_update_after is not None:
+                raise ConfigError("zeroshard config: shard_group_size with delay_update_after is not supported yet "
+                                  "(the delayed step would have to sum the shard groups' gradients in its thread)")
         if self.offload_params and self.stage != 3:
             raise ConfigError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")

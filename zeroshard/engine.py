@@ -42,6 +42,7 @@ class Engine(EngineIO):
         self.module = module
         world = join_world(module, config, device)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
+        self.shards = world.shards
         self.transfer, self.leaves = world.transfer, world.leaves
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
@@ -270,7 +271,7 @@ class Engine(EngineIO):
     def _grad_arrived(self, p: nn.Parameter) -> None:
         if self.phase is not TrainingPhase.BACKWARD:
             self._begin_backward(by_autograd=True)
-        self.comm.progress()  # reductions whose order check came back start now
+        self.shards.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
         self.reducer.add(chunk, slot, local_grad(p, p.grad))
         p.grad = None
@@ -320,6 +321,7 @@ class Engine(EngineIO):
         self._set_steps(self.steps + int(applied))
         self._stats = step_stats(self.meter.finish(self.comm.world, self.optimizer), step=self.steps, applied=applied,
                                  chunks=self.chunks, optim=self.optim, cache=self.cache, comm=self.comm,
+                                 shards=self.shards,
                                  transfer=self.transfer, saved=self.saved, scaler=self.scaler, tp=self.tp)
         if self.timeline is not None:
             self.timeline.step_done(self.steps)

@@ -174,6 +174,11 @@ class Comm:
         self.closed = False  # close() let go of the groups
         _comms.add(self)
 
+    @property
+    def leader(self) -> bool:
+        """Rank 0 of the group: the source of set-up broadcasts."""
+        return self.rank == 0
+
     def close(self) -> None:
         """Let go of the process groups (at interpreter exit: _take_down_groups); a collective
         after this raises."""

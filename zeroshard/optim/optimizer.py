@@ -42,6 +42,7 @@ import torch
 
 from ..runtime.chunks import fold_host_grad
 from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
+from .grad_agreement import agree_grads
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from .param_groups import ParamGroups, as_factory
@@ -58,15 +59,22 @@ class ShardedOptimizer:
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
-                 measure_norm: bool = True):
+                 measure_norm: bool = True, shards=None):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
         nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
-        compute the global gradient norm of every step even without clipping (Config.grad_norm)."""
+        compute the global gradient norm of every step even without clipping (Config.grad_norm).
+        comm: the data-parallel group (the gradient's divisor, the step's flags and norm); shards:
+        the chunks' groups (ShardGroups; default: `comm` alone), over which updated chunks are
+        all-gathered."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
         self.comm = comm
+        self.shards = shards if shards is not None else comm
+        # Hybrid sharding: the other shard groups hold the same reduced shards; only the first
+        # group's count towards the norm, or each would be counted once per group.
+        self.counts_norm = getattr(shards, "replica", 0) == 0
         self.stage = stage
         self.dtype = dtype
         self.accumulation = accumulation
@@ -124,9 +132,9 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        applied, overflow, norm = self._update([c.owned_grad() for c in self.chunks], self._grads_seen(),
-                                               self._inv_scale(), self.comm, self.optimizer, self._copy_target,
-                                               self._publish)
+        applied, overflow, norm = self._update(self._reduced_across([c.owned_grad() for c in self.chunks]),
+                                               self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
+                                               self._copy_target, self._publish)
         if applied:
             self.applied_updates += 1
             self._gather_updated()
@@ -146,6 +154,17 @@ class ShardedOptimizer:
         self.skipped_steps += int(overflow)
         self.last_grad_norm = norm if applied else None
 
+    def _reduced_across(self, grads: list) -> list:
+        """Hybrid sharding: each chunk's reduced shard summed over the other shard groups, in chunk
+        order on every rank (shard_groups.py says why at the step)."""
+        if not getattr(self.shards, "hybrid", False):
+            return grads
+        for i, (c, g) in enumerate(zip(self.chunks, grads)):
+            if g is None:  # no backward reached it here; a replica's may have: zeros join the sum
+                g = grads[i] = torch.zeros(c.master.numel(), dtype=c.grad_dtype, device=c.master.device)
+            self.shards.all_reduce_across(g)
+        return grads
+
     def _inv_scale(self) -> float:
         scale = self.scaler.grads_scale if self.scaler else 1.0
         return 1.0 / (self.comm.world * self.accumulation * scale)
@@ -163,7 +182,9 @@ class ShardedOptimizer:
         (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing)."""
-        present, overflow, sq = self._agree_grads(comm, grads, seen, inv)
+        present, overflow, sq = agree_grads(
+            comm, self.chunks, grads, seen, inv, finite_check=self.scaler is not None or self.nonfinite != "ignore",
+            measure_norm=self.measure_norm, norm_here=comm.rank == 0 if self.stage == 0 else self.counts_norm)
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
@@ -208,38 +229,6 @@ class ShardedOptimizer:
             finish(c, target)
         self._drop_grads()
         return True, False, norm
-
-    def _agree_grads(self, comm, grads, seen, inv: float) -> tuple[list[list[bool]], bool, float]:
-        """One small all-reduce (none at world 1) gives every rank the same answers: per chunk and
-        slot, whether that parameter got a gradient on any rank (one that got none is not stepped:
-        torch skips a parameter whose .grad is None); with fp16 or a nonfinite policy, whether any
-        rank's gradient is not finite (scaling by a finite factor neither makes nor unmakes an inf
-        or NaN, so the unscaled gradients tell); with clipping or measure_norm, the squared L2 norm
-        of the scaled fp32 gradient over every shard, computed chunk by chunk."""
-        flags = [1.0 if i in got else 0.0 for c, got in zip(self.chunks, seen) for i in range(len(c.slots))]
-        finite_check = self.scaler is not None or self.nonfinite != "ignore"
-        if comm.world == 1 and not finite_check and not self.measure_norm:  # nothing to agree on: no device sync
-            return [[i in got for i in range(len(c.slots))] for c, got in zip(self.chunks, seen)], False, 0.0
-        local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
-        if finite_check:
-            for g in grads:
-                if g is not None and not torch.isfinite(g).all():
-                    local[-2] = 1.0
-                    break
-        # Stage 0: every rank holds the whole gradient, so one rank's norm is everyone's.
-        if self.measure_norm and not local[-2] and (self.stage > 0 or comm.rank == 0):
-            for g in grads:
-                if g is not None:
-                    scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)
-                    local[-1] += scaled.pow(2).sum().to(local.device)
-        if comm.world > 1:
-            comm.control_all_reduce(local)
-        got = local.tolist()
-        present, k = [], 0
-        for c in self.chunks:
-            present.append([v > 0 for v in got[k:k + len(c.slots)]])
-            k += len(c.slots)
-        return present, got[-2] > 0, got[-1]
 
     def _step_chunks(self, opt, chunks, target_of) -> list:
         """opt.step() over these chunks' master pieces only (all of them: one plain step). Returns
@@ -330,12 +319,12 @@ class ShardedOptimizer:
         updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, arrival.ArrivalHooks).
         Issued only after every rank finished its update (a rank whose step raised half-way
         never pairs its next collectives with these)."""
-        if self.stage not in (1, 2) or self.comm.world == 1:
+        if self.stage not in (1, 2) or self.shards.world == 1:
             return
         self.comm.agree(PUBLISH)
         for c in self.chunks:
             c.await_arrival()  # a delayed update's upload into the shard the gather reads
-            c.expect_arrival(self.comm.all_gather(c.full, c.shard, async_op=True))
+            c.expect_arrival(self.shards.all_gather(c.full, c.shard, async_op=True))
 
     # -- the delayed update (DPU) -----------------------------------------------------------------
     def _launch(self) -> None:

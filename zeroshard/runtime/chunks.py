@@ -201,7 +201,7 @@ class Chunk:
 
         if comm is not None:
             full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-            if rank == 0:
+            if comm.leader:  # the data-parallel group's rank 0 (hybrid: not every group's shard rank 0)
                 for s in self.slots:
                     full32[s.offset:s.offset + s.numel].copy_(torch.cat(list(blocks(fill(s, 0, s.numel)))))
             comm.broadcast(full32)

@@ -207,15 +207,15 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
     """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
     the full chunks, and hand the optimizer its state: elementwise states from `opt_state`, scalar
     ones from `small` (groups None: no optimizer state loaded, so the optimizer starts afresh)."""
-    comm = view.comm
-    with comm.uncounted():
+    shards = view.shards
+    with shards.uncounted():
         for c in view.chunks:
             if c.trainable:
                 c.zero_grad()
                 if not c.master_is_shard:
                     c.shard.copy_(c.master)
             if view.stage in (1, 2):
-                comm.all_gather(c.full, c.shard)
+                shards.all_gather(c.full, c.shard)
     opt = view.optim.optimizer
     current = opt.state_dict()["param_groups"]
     if groups is None:

@@ -246,7 +246,7 @@ def whole_values(view: TrainingState, order: list[str]) -> Iterator[tuple[object
         c, s = slot_of[name]
         if c is not current:
             full = None
-            with view.comm.uncounted():
+            with view.shards.uncounted():
                 full = view.layout.full_fp32(c)
             current = c
         value = full[s.offset:s.offset + s.numel].view(s.shape)

@@ -23,6 +23,7 @@ class TrainingState:
     device: torch.device
     config: Config  # the config that runs (with 'auto': what the plan chose)
     comm: object  # distributed.collectives.Comm over the data-parallel group
+    shards: object  # distributed.shard_groups.ShardGroups: the chunks' collectives
     world_comm: object  # Comm over every rank, TP peers included
     tp: object | None  # distributed.tensor_parallel.TensorParallel
     layout: object  # runtime.layout.ChunkLayout

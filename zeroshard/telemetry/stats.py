@@ -13,6 +13,9 @@ the planner predicts), `loss_scale`, `grad_norm` (the global L2 norm of the step
 ranks, before clipping; None with config grad_norm=False and no clipping, or when the step was
 skipped), `skipped_steps` (optimizer steps skipped since the start for a non-finite gradient: fp16
 overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
+Hybrid sharding (config shard_group_size): `shard_group_size` (G; the data-parallel world when not
+hybrid) and `comm_elements_by_link` ({'inside': elements over the shard group, 'across': over
+groups spanning several shard groups}; their sum is `comm_elements`; docs/communication.md).
 
 With tensor parallelism (tensor_parallel.py) the counts above are of the data-parallel group
 (`world_size` is its size; parameter counts are this rank's local shards); `tensor_parallel` is the
@@ -91,8 +94,8 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     return by_kind, by_device
 
 
-def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, comm, transfer, saved, scaler,
-               tp) -> dict:
+def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, comm, shards, transfer, saved,
+               scaler, tp) -> dict:
     """The figures of the step just taken (`meter`: StepMeter.finish's; `step`: optimizer steps
     applied so far), from the parts that counted them; restarts their counters."""
     by_kind, by_device = model_state_bytes(chunks, optim)
@@ -100,7 +103,9 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
         **meter,
         "step": step,
         "applied": applied,
-        "comm_elements": comm.elements,
+        "comm_elements": shards.elements,
+        "comm_elements_by_link": shards.elements_by_link(),
+        "shard_group_size": shards.size,
         "control_collectives": comm.control_collectives,
         "order_checks": comm.order_checks,
         "model_state_bytes": sum(by_kind.values()),
@@ -127,7 +132,7 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
         out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints
         out["pa_partitioned_elements"] = partition.partitioned_elements
         partition.reset_counters()
-    comm.reset_counters()
+    shards.reset_counters()  # the data-parallel group's too
     transfer.reset_counters()
     cache.reset_peak()
     return out

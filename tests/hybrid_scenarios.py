@@ -1,0 +1,120 @@
+"""Scenarios of tests/test_hybrid.py: hybrid sharding (config shard_group_size) at worlds 4 (2 groups
+of 2) and 6 (3 groups of 2, 2 groups of 3), each trained against single-process PyTorch on the
+global batch, with its per-link communication counts and its checkpoints resharded."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tempfile
+
+
+from distributed import WorldResults, every_rank, record
+from models import Quirky, batches, make_adamw, make_sgd, max_diff, parity, quirky_data, quirky_loss, tiny_gpt2
+
+STEPS = 3
+GROUPS = {4: (2,), 6: (2, 3)}  # shard group sizes tried at each world
+# name -> (stage, optimizer, extra config)
+PARITY = {
+    "stage1_sgd": (1, "sgd", {}),
+    "stage2_sgd": (2, "sgd", {}),
+    "stage3_sgd": (3, "sgd", {}),
+    "stage3_adamw": (3, "adamw", {}),
+    "stage2_sgd_offload": (2, "sgd", {"offload_optimizer": True}),
+    "stage3_sgd_offload_params_cache2": (3, "sgd", {"offload_optimizer": True, "offload_params": True,
+                                                    "cache_chunks": 2}),
+    "stage2_adamw_accum2": (2, "adamw", {"gradient_accumulation_steps": 2}),
+}
+OPTIMIZERS = {"sgd": make_sgd, "adamw": make_adamw}
+
+
+def digest(state: dict) -> str:
+    """A fingerprint of a state dict's exact bytes (ranks compare theirs)."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def quirky_parity(rank, world, group, stage, opt, extra):
+    accumulation = extra.get("gradient_accumulation_steps", 1)
+    cfg = {"stage": stage, "shard_group_size": group, "chunk_size": 700,
+           **{k: v for k, v in extra.items() if k != "gradient_accumulation_steps"}}
+    data = quirky_data(STEPS, world, accumulation)
+    engine, diff = parity(rank, world, Quirky, lambda m, x, *_: quirky_loss(m, x), data if accumulation > 1
+                          else data[:, 0], OPTIMIZERS[opt], cfg, accumulation=accumulation)
+    return {"diff": diff, "digests": every_rank(digest(engine.full_state_dict())),
+            "shard_group_size": engine.stats()["shard_group_size"]}
+
+
+def gpt2_counts(rank, world, group, stage, cache):
+    """One step of a GPT-2 whose parameters all train: the step's per-link element counts."""
+    import zeroshard
+    data = batches(2, world, 1)
+    cfg = {"stage": stage, "shard_group_size": group, "chunk_size": 20000}
+    if cache is not None:
+        cfg["cache_chunks"] = cache
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
+    for step in data:  # the second step: the layout is final (no re-pack traffic)
+        x = step[0][rank]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    s = engine.stats()
+    return {k: s[k] for k in ("comm_elements", "comm_elements_by_link", "padded_elements", "num_params",
+                              "shard_group_size", "world_size", "cache_overflows", "model_state_bytes")}
+
+
+def resharded(rank, world, root, saved_group, load_groups, stage):
+    """Train 2 steps at `saved_group` and save; load the checkpoint at each of `load_groups` (None:
+    full sharding) and compare the full model with the saved one bit for bit, then train a step
+    from both and compare again."""
+    import zeroshard
+    data = quirky_data(3, world)
+
+    def make(group):
+        cfg = {"stage": stage, "chunk_size": 700}
+        if group is not None:
+            cfg["shard_group_size"] = group
+        return zeroshard.initialize(Quirky(), make_adamw, cfg)
+
+    def step(engine, k):
+        engine.backward(quirky_loss(engine, data[k, 0, rank]))
+        engine.step()
+
+    src = make(saved_group)
+    for k in range(2):
+        step(src, k)
+    src.save_checkpoint(root, tag="hybrid")
+    saved = src.full_state_dict()
+    step(src, 2)
+    after = src.full_state_dict()
+    out = {}
+    for group in load_groups:
+        dst = make(group)
+        dst.load_checkpoint(root, tag="hybrid")
+        loaded = dst.full_state_dict()
+        step(dst, 2)
+        out[str(group)] = {"loaded_diff": max_diff(loaded, saved), "next_step_diff": max_diff(dst.full_state_dict(),
+                                                                                             after)}
+    return out
+
+
+def run(rank, world, out_path):
+    calls = []
+    for group in GROUPS[world]:
+        for name, (stage, opt, extra) in PARITY.items():
+            calls.append((f"g{group}_{name}", functools.partial(quirky_parity, rank, world, group, stage, opt, extra)))
+        for stage, cache in ((1, None), (2, None), (3, None), (3, 2)):
+            calls.append((f"g{group}_counts_stage{stage}_cache{cache}",
+                          functools.partial(gpt2_counts, rank, world, group, stage, cache)))
+    calls.append(("full_counts_stage3_cache2", functools.partial(gpt2_counts, rank, world, None, 3, 2)))
+    root = os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-{os.environ['MASTER_PORT']}")
+    loads = {4: [None, 1], 6: [None, 3]}[world]
+    for stage in (2, 3):
+        calls.append((f"reshard_stage{stage}", functools.partial(resharded, rank, world, os.path.join(root, str(stage)),
+                                                                  2, loads, stage)))
+    record(rank, out_path, calls)
+
+
+RESULTS = WorldResults(run, "hybrid", worlds=(4, 6))

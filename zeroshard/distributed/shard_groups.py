@@ -1,0 +1,178 @@
+"""Hybrid sharding (HSDP): the data-parallel ranks split into shard groups (docs/vocabulary.md).
+
+With `shard_group_size` G below the data-parallel world W, model states are sharded over G
+consecutive ranks (a node, say) and replicated across the W/G groups, as FSDP2's HSDP, DeepSpeed's
+MiCS and ColossalAI's extra_dp_size do:
+- a chunk is split into G shards; its all-gathers (stage 3's gathers, stages 1-2's publish after a
+  step) stay inside the shard group;
+- a gradient is reduce-scattered inside the group during backward; at the step, this rank's 1/G
+  shard (summed over the window's micro-batches) is all-reduced across the groups (with the ranks
+  holding the same shard: its replica group), so each element is reduced once and every replica
+  ends with the sum over all W ranks.
+
+Why at the step and not as each reduce-scatter completes: there, each rank would issue the
+all-reduce when it first waited for that reduction, a point that differs between ranks relative to
+the gathers and reduce-scatters inside the group. Ranks blocked on each other across and inside
+then deadlock (seen at world 4: rank 0 waiting across for rank 2, 2 inside for 3, 3 across for 1,
+1 inside for 0). The step is a point every rank reaches with nothing inside in flight, and the
+sum over micro-batches is all-reduced once per step instead of once per micro-batch.
+
+`ShardGroups` is what the chunks, the rCache, the reducer and the layout talk to: the Comm calls
+they make, each routed to the group it belongs on. Sizes and counts are in elements, counted per
+link as the ZeRO paper counts volume (docs/communication.md has the formulas): `inside` is what
+moved over the shard group, `across` what moved over groups spanning several shard groups (the
+replica groups, and the data-parallel group's own collectives).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from .collectives import Comm, ranks_per_node
+from .ordering import collective_timeout
+
+
+def resolve_group_size(setting, dp_world: int, tensor_parallel: int = 1) -> int:
+    """Config shard_group_size as a number of data-parallel ranks: None = all of them; "node" =
+    the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE / tensor_parallel). Raises
+    ConfigError when it does not divide the data-parallel world."""
+    if setting is None:
+        return dp_world
+    if setting == "node":
+        per_node = ranks_per_node()
+        if per_node % tensor_parallel:
+            raise ConfigError(f"zeroshard config: shard_group_size='node': {per_node} ranks per node do not split into "
+                              f"tensor-parallel groups of {tensor_parallel}")
+        size = per_node // tensor_parallel
+    else:
+        size = setting
+    if dp_world % size:
+        raise ConfigError(f"zeroshard config: shard_group_size={setting!r} ({size} ranks) does not divide the "
+                          f"{dp_world} data-parallel ranks into equal shard groups")
+    return size
+
+
+def _data_parallel_groups(world: int, tensor_parallel: int) -> list[list[int]]:
+    """Every data-parallel group's global ranks, as device_mesh lays them out (TP groups of
+    consecutive ranks, so data-parallel group t holds ranks t, t+T, t+2T, ...)."""
+    return [list(range(t, world, tensor_parallel)) for t in range(tensor_parallel)]
+
+
+class ShardGroups:
+    """The collectives of chunks, over the shard group and across the groups.
+
+    `rank`, `world`: this rank's place in its shard group and the group's size G (what a chunk is
+    split into). `dp`: the whole data-parallel group (W ranks). `inside`: the shard group (`dp`
+    itself when G == W). `across`: this rank's replica group (the ranks holding the same shard in
+    the other groups; None when G == W). `replica`: which shard group this rank is in (0..W/G-1).
+    """
+
+    def __init__(self, dp: Comm, size: int, tensor_parallel: int = 1):
+        self.dp = dp
+        self.size = size
+        self.replicas = dp.world // size
+        self.replica = dp.rank // size
+        self.inside, self.across = dp, None
+        if self.replicas > 1:
+            self.inside, self.across = self._split(dp, size, tensor_parallel)
+        self.rank, self.world = self.inside.rank, self.inside.world
+        self.device = dp.device
+
+    @staticmethod
+    def _split(dp: Comm, size: int, tensor_parallel: int) -> tuple[Comm, Comm]:
+        """Collective over every rank (torch's new_group): the shard groups and replica groups of
+        every data-parallel group, made in one order everywhere; this rank's two as Comms."""
+        me = dist.get_rank()
+        inside = across = None
+        shard_groups, replica_groups = [], []
+        for ranks in _data_parallel_groups(dist.get_world_size(), tensor_parallel):
+            shard_groups += [ranks[k:k + size] for k in range(0, len(ranks), size)]
+            replica_groups += [ranks[j::size] for j in range(size)]
+        for ranks in shard_groups + replica_groups:
+            group = dist.new_group(ranks, timeout=collective_timeout())
+            if me in ranks:
+                if inside is None:
+                    inside = Comm(dp.device, group)
+                else:
+                    across = Comm(dp.device, group)
+        return inside, across
+
+    @property
+    def hybrid(self) -> bool:
+        return self.across is not None
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0 of the data-parallel group: the source of set-up broadcasts."""
+        return self.dp.rank == 0
+
+    def enable_order_checks(self) -> None:
+        """Collective, at set-up: order checks on the data-parallel group and, hybrid, on the shard
+        group, which carries the collectives the module hooks drive."""
+        self.dp.enable_order_checks()
+        if self.hybrid:
+            self.inside.enable_order_checks()
+
+    def progress(self) -> None:
+        self.inside.progress()
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, tag=None):
+        """A chunk from its shards: inside the shard group."""
+        return self.inside.all_gather(full, shard, async_op=async_op, tag=tag)
+
+    def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag=None):
+        """In place: this rank's shard of `full` <- the sum over the shard group of that shard
+        (hybrid: the other groups' sums are added at the step, `all_reduce_across`)."""
+        return self.inside.reduce_scatter_sum(full, async_op=async_op, tag=tag)
+
+    def all_reduce_across(self, shard: torch.Tensor) -> None:
+        """Hybrid, at the step: in place, this rank's reduced gradient shard <- its sum over the
+        replica group (blocking; nothing without hybrid sharding). A host shard (offloaded
+        optimizer) goes through the device when the group's backend needs it there (NCCL)."""
+        if not self.hybrid:
+            return
+        if shard.device.type != self.device.type and not self.across.gloo:
+            on_device = shard.to(self.device)
+            self.across.all_reduce_sum(on_device)
+            shard.copy_(on_device)
+        else:
+            self.across.all_reduce_sum(shard)
+
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag=None):
+        """Stage 0's whole-gradient all-reduce, over the data-parallel group."""
+        return self.dp.all_reduce_sum(t, async_op=async_op, tag=tag)
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """Set-up: data-parallel rank `src`'s values everywhere (every group starts alike)."""
+        self.dp.broadcast(t, src)
+
+    def all_gather_objects(self, obj) -> list:
+        return self.dp.all_gather_objects(obj)
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        with contextlib.ExitStack() as stack:
+            for comm in self._comms():
+                stack.enter_context(comm.uncounted())
+            yield
+
+    def _comms(self) -> list[Comm]:
+        return [self.dp] if not self.hybrid else [self.dp, self.inside, self.across]
+
+    @property
+    def elements(self) -> int:
+        """Payload elements since the last reset over every group (the ZeRO paper's count)."""
+        return sum(c.elements for c in self._comms())
+
+    def elements_by_link(self) -> dict[str, int]:
+        """{"inside": elements over the shard group, "across": over groups spanning several}."""
+        if not self.hybrid:
+            return {"inside": self.dp.elements, "across": 0}
+        return {"inside": self.inside.elements, "across": self.across.elements + self.dp.elements}
+
+    def reset_counters(self) -> None:
+        for c in self._comms():
+            c.reset_counters()

@@ -1,0 +1,39 @@
+"""What every rank must agree on before a step: which parameters got a gradient anywhere, whether
+any gradient is not finite, and the global gradient norm, in one small all-reduce."""
+from __future__ import annotations
+
+import torch
+
+
+def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool,
+                norm_here: bool) -> tuple[list[list[bool]], bool, float]:
+    """One small all-reduce over `comm` (none at world 1) gives every rank the same answers: per
+    chunk and slot, whether that parameter got a gradient on any rank (`seen`: the slots that got
+    one here; one that got none anywhere is not stepped: torch skips a parameter whose .grad is
+    None); with `finite_check`, whether any rank's gradient is not finite (scaling by a finite
+    factor neither makes nor unmakes an inf or NaN, so the unscaled gradients tell); with
+    `measure_norm`, the squared L2 norm of the gradients scaled by `inv`, summed over the ranks
+    whose `norm_here` is set (stage 0: one rank, which holds the whole gradient; hybrid sharding:
+    the first shard group, whose shards the others repeat). Returns (present, overflow, sq)."""
+    flags = [1.0 if i in got else 0.0 for c, got in zip(chunks, seen) for i in range(len(c.slots))]
+    if comm.world == 1 and not finite_check and not measure_norm:  # nothing to agree on: no device sync
+        return [[i in got for i in range(len(c.slots))] for c, got in zip(chunks, seen)], False, 0.0
+    local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
+    if finite_check:
+        for g in grads:
+            if g is not None and not torch.isfinite(g).all():
+                local[-2] = 1.0
+                break
+    if measure_norm and not local[-2] and norm_here:
+        for g in grads:
+            if g is not None:
+                scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)
+                local[-1] += scaled.pow(2).sum().to(local.device)
+    if comm.world > 1:
+        comm.control_all_reduce(local)
+    got = local.tolist()
+    present, k = [], 0
+    for c in chunks:
+        present.append([v > 0 for v in got[k:k + len(c.slots)]])
+        k += len(c.slots)
+    return present, got[-2] > 0, got[-1]
