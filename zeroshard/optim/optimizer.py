@@ -40,7 +40,7 @@ import threading
 
 import torch
 
-from ..runtime.chunks import fold_host_grad
+from ..runtime.offload import fold_host_grad
 from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
 from .grad_agreement import agree_grads
 from .loss_scale import LossScaler

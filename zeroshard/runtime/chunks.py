@@ -12,37 +12,15 @@ a new buffer that the end of backward reduces and folds in (reducer.py decides w
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..errors import invariant
-from .offload import Pending, Placement, Transfer
+from .offload import Pending, Placement, Transfer, fold_host_grad
 from ..distributed.ordering import GATHER, REDUCE
 from ..distributed.tensor_parallel import set_local
-from .packing import Fill, Slot, padded_numel
-
-def fold_host_grad(host: torch.Tensor | None, in_flight: Pending | None) -> torch.Tensor | None:
-    """A chunk's host gradient with the copy still in flight added in (waited for first)."""
-    if in_flight is None:
-        return host
-    arrived = in_flight.wait()
-    return arrived if host is None else host.add_(arrived)
-
-
-@dataclass
-class MasterPiece:
-    """One parameter's master piece: chunk elements [lo, hi) of the owned range, and `param`, an
-    nn.Parameter aliasing those master elements (shaped as the parameter when it holds all of it,
-    1-D otherwise), which is what the user's optimizer steps."""
-
-    slot: Slot
-    index: int  # the slot's position in its chunk
-    lo: int
-    hi: int
-    param: nn.Parameter
-
+from .packing import Fill, MasterPiece, Slot, padded_numel
 
 class ChunkState(enum.Enum):
     SHARDED = "sharded"

@@ -179,3 +179,11 @@ class ActivationOffload:
             # in backward would stall the queueing of the next kernels).
             packed.device = self.transfer.to_device(packed.pending.tensor).wait()
         return packed.device
+
+
+def fold_host_grad(host: torch.Tensor | None, in_flight: Pending | None) -> torch.Tensor | None:
+    """A chunk's host gradient with the copy still in flight added in (waited for first)."""
+    if in_flight is None:
+        return host
+    arrived = in_flight.wait()
+    return arrived if host is None else host.add_(arrived)

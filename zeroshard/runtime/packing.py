@@ -1,6 +1,7 @@
 """How parameters are placed into chunks: the packing rule (next-fit in order, trainable apart from
-frozen), chunk lengths padded to equal aligned shards, the default chunk size, and `Slot`, a
-parameter's place in its chunk (words: docs/vocabulary.md). The engine's layout (layout.py) and the
+frozen), chunk lengths padded to equal aligned shards, the default chunk size, `Slot`, a
+parameter's place in its chunk, and `MasterPiece`, its part of an owned range (words:
+docs/vocabulary.md). The engine's layout (layout.py) and the
 planner's (planning/planner.py) both pack with this, so the plan describes the chunks that run.
 """
 from __future__ import annotations
@@ -92,3 +93,16 @@ class Slot:
 # rank stores, each range once (layout.py builds the sources: the model's own tensors, a meta-device
 # initialiser, pretrained weights, or the chunks of a re-pack).
 Fill = Callable[[Slot, int, int], torch.Tensor]
+
+
+@dataclass
+class MasterPiece:
+    """One parameter's master piece: chunk elements [lo, hi) of the owned range, and `param`, an
+    nn.Parameter aliasing those master elements (shaped as the parameter when it holds all of it,
+    1-D otherwise), which is what the user's optimizer steps."""
+
+    slot: Slot
+    index: int  # the slot's position in its chunk
+    lo: int
+    hi: int
+    param: nn.Parameter
