@@ -7,7 +7,7 @@ Tolerances: fp32 SGD with momentum 1e-5, fp32 AdamW 3e-5 (models.TOL)."""
 import pytest
 
 from distributed import ok
-from hybrid_scenarios import GROUPS, PARITY, RESULTS as HYBRID
+from hybrid_scenarios import GROUPS, PARITY, RESULTS as HYBRID, TP_CASES, TP_RESULTS
 from models import TOL
 
 RESULTS = HYBRID  # read by the `res` fixture (conftest.py)
@@ -67,3 +67,22 @@ def test_checkpoints_reshard_between_hybrid_and_full(res, stage):
     for group, r in got.items():
         assert r["loaded_diff"] == 0.0, (group, r)
         assert r["next_step_diff"] <= TOL["adamw"], (group, r)
+
+
+@pytest.fixture(scope="module")
+def tp_res(tmp_path_factory):
+    return TP_RESULTS.get(8, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", list(TP_CASES))
+def test_tensor_parallel_x_shard_x_replicate(tp_res, name):
+    """World 8 as TP 2 x shard 2 x replicate 2: the single-process model (all ranks the same full
+    model), and the per-link counts of the data-parallel side: 2 Psi inside, 2 Psi/G across, for
+    each rank's 1/TP of the model."""
+    stage, kind = TP_CASES[name]
+    got = ok(tp_res, name)
+    assert got["diff"] <= TOL[kind], got["diff"]
+    assert len(set(got["digests"])) == 1, got["digests"]
+    assert (got["world_size"], got["tensor_parallel"], got["shard_group_size"]) == (4, 2, 2)
+    psi, link = got["padded_elements"], got["comm_elements_by_link"]
+    assert link == {"inside": 2 * psi, "across": psi}, (link, psi)
