@@ -4,13 +4,13 @@ global batch, with its per-link communication counts and its checkpoints reshard
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import tempfile
 
 
 from distributed import WorldResults, every_rank, record
-from models import Quirky, batches, make_adamw, make_sgd, max_diff, parity, quirky_data, quirky_loss, tiny_gpt2
+from models import (Quirky, batches, digest, make_adamw, make_sgd, max_diff, parity, quirky_data, quirky_loss,
+                    tiny_gpt2)
 
 STEPS = 3
 GROUPS = {4: (2,), 6: (2, 3)}  # shard group sizes tried at each world
@@ -26,15 +26,6 @@ PARITY = {
     "stage2_adamw_accum2": (2, "adamw", {"gradient_accumulation_steps": 2}),
 }
 OPTIMIZERS = {"sgd": make_sgd, "adamw": make_adamw}
-
-
-def digest(state: dict) -> str:
-    """A fingerprint of a state dict's exact bytes (ranks compare theirs)."""
-    h = hashlib.sha256()
-    for k in sorted(state):
-        h.update(k.encode())
-        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def quirky_parity(rank, world, group, stage, opt, extra):

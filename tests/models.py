@@ -114,6 +114,16 @@ def max_diff(a: dict, b: dict) -> float:
     return max([(a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a if a[k].numel()] or [0.0])
 
 
+def digest(state: dict) -> str:
+    """A fingerprint of a state dict's exact bytes (ranks compare theirs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(state):
+        h.update(k.encode())
+        h.update(state[k].detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def inputs(steps, world, *shape, seed=5):
     """Random inputs [steps, world, *shape]: rank r trains on [:, r]."""
     g = torch.Generator().manual_seed(seed)

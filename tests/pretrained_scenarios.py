@@ -7,14 +7,13 @@ error).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 import torch.nn as nn
 
 import zeroshard
-from models import batches, make_sgd, max_diff
+from models import batches, digest, make_sgd, max_diff
 from distributed import error_on_every_rank, every_rank
 from scenarios import run_all
 
@@ -51,14 +50,6 @@ def build(arch: str, meta: bool, seed: int = 0, base: bool = False) -> nn.Module
 
 def loss_of(m, x):
     return m(input_ids=x, labels=x).loss
-
-
-def digest(sd: dict) -> str:
-    h = hashlib.sha256()
-    for k in sorted(sd):
-        h.update(k.encode())
-        h.update(sd[k].detach().float().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def folder(name: str) -> str:

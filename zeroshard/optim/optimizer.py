@@ -45,6 +45,7 @@ from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
 from .grad_agreement import agree_grads
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
+from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
 
 
@@ -59,22 +60,19 @@ class ShardedOptimizer:
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
-                 measure_norm: bool = True, shards=None):
+                 measure_norm: bool = True, shards: ShardGroups):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
         nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
         compute the global gradient norm of every step even without clipping (Config.grad_norm).
         comm: the data-parallel group (the gradient's divisor, the step's flags and norm); shards:
-        the chunks' groups (ShardGroups; default: `comm` alone), over which updated chunks are
-        all-gathered."""
+        the chunks' groups, over which updated chunks are all-gathered and (hybrid) gradient
+        shards summed across the groups."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
         self.comm = comm
-        self.shards = shards if shards is not None else comm
-        # Hybrid sharding: the other shard groups hold the same reduced shards; only the first
-        # group's count towards the norm, or each would be counted once per group.
-        self.counts_norm = getattr(shards, "replica", 0) == 0
+        self.shards = shards
         self.stage = stage
         self.dtype = dtype
         self.accumulation = accumulation
@@ -157,7 +155,7 @@ class ShardedOptimizer:
     def _reduced_across(self, grads: list) -> list:
         """Hybrid sharding: each chunk's reduced shard summed over the other shard groups, in chunk
         order on every rank (shard_groups.py says why at the step)."""
-        if not getattr(self.shards, "hybrid", False):
+        if not self.shards.hybrid:
             return grads
         for i, (c, g) in enumerate(zip(self.chunks, grads)):
             if g is None:  # no backward reached it here; a replica's may have: zeros join the sum
@@ -184,7 +182,10 @@ class ShardedOptimizer:
         no parameter got a gradient on any rank (torch's step then changes nothing)."""
         present, overflow, sq = agree_grads(
             comm, self.chunks, grads, seen, inv, finite_check=self.scaler is not None or self.nonfinite != "ignore",
-            measure_norm=self.measure_norm, norm_here=comm.rank == 0 if self.stage == 0 else self.counts_norm)
+            measure_norm=self.measure_norm,
+            # Stage 0: one rank holds the whole gradient. Hybrid: the other shard groups repeat the
+            # first's reduced shards, which would count once per group.
+            norm_here=comm.rank == 0 if self.stage == 0 else self.shards.replica == 0)
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
