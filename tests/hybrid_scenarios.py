@@ -25,25 +25,55 @@ PARITY = {
                                                     "cache_chunks": 2}),
     "stage2_adamw_accum2": (2, "adamw", {"gradient_accumulation_steps": 2}),
 }
+# hpZ (config hpz_group_size), stage 3: name -> (optimizer, extra config). Small rCaches make the
+# backward gather again, from the secondary shards; accumulation makes later forwards read them too.
+HPZ = {
+    "hpz_sgd": ("sgd", {}),
+    "hpz_sgd_cache1": ("sgd", {"cache_chunks": 1}),
+    "hpz_adamw_cache2_accum2": ("adamw", {"cache_chunks": 2, "gradient_accumulation_steps": 2}),
+    "hpz_sgd_offload_params_cache2": ("sgd", {"offload_optimizer": True, "offload_params": True,
+                                              "cache_chunks": 2}),
+}
 OPTIMIZERS = {"sgd": make_sgd, "adamw": make_adamw}
 
 
-def quirky_parity(rank, world, group, stage, opt, extra):
+def quirky_parity(rank, world, key, group, stage, opt, extra):
+    """`key`: shard_group_size (hybrid) or hpz_group_size, set to `group`."""
     accumulation = extra.get("gradient_accumulation_steps", 1)
-    cfg = {"stage": stage, "shard_group_size": group, "chunk_size": 700,
+    cfg = {"stage": stage, key: group, "chunk_size": 700,
            **{k: v for k, v in extra.items() if k != "gradient_accumulation_steps"}}
     data = quirky_data(STEPS, world, accumulation)
     engine, diff = parity(rank, world, Quirky, lambda m, x, *_: quirky_loss(m, x), data if accumulation > 1
                           else data[:, 0], OPTIMIZERS[opt], cfg, accumulation=accumulation)
+    s = engine.stats()
     return {"diff": diff, "digests": every_rank(digest(engine.full_state_dict())),
-            "shard_group_size": engine.stats()["shard_group_size"]}
+            **{k: s[k] for k in ("shard_group_size", "hpz_group_size", "comm_elements_by_link")}}
 
 
-def gpt2_counts(rank, world, group, stage, cache):
-    """One step of a GPT-2 whose parameters all train: the step's per-link element counts."""
+def hpz_delayed_same_bytes(rank, world, group):
+    """The delayed update (offloaded optimizer, stage 3, a 1-chunk rCache) with and without hpZ: the
+    same reductions over the same ranks, so the same bytes after 4 steps (the update lands into the
+    primary shards after the secondary ones were last read)."""
+    import zeroshard
+    data = quirky_data(4, world)
+    digests = []
+    for extra in ({}, {"hpz_group_size": group}):
+        engine = zeroshard.initialize(Quirky(), make_adamw, {
+            "stage": 3, "chunk_size": 700, "cache_chunks": 1, "offload_optimizer": True,
+            "delay_update_after": 1, **extra})
+        for k in range(4):
+            engine.backward(quirky_loss(engine, data[k, 0, rank]))
+            engine.step()
+        digests.append(digest(engine.full_state_dict()))
+    return {"digests": every_rank(digests)}
+
+
+def gpt2_counts(rank, world, group, stage, cache, key="shard_group_size"):
+    """One step of a GPT-2 whose parameters all train: the step's per-link element counts and
+    model-state bytes."""
     import zeroshard
     data = batches(2, world, 1)
-    cfg = {"stage": stage, "shard_group_size": group, "chunk_size": 20000}
+    cfg = {"stage": stage, key: group, "chunk_size": 20000}
     if cache is not None:
         cfg["cache_chunks"] = cache
     engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
@@ -53,7 +83,8 @@ def gpt2_counts(rank, world, group, stage, cache):
         engine.step()
     s = engine.stats()
     return {k: s[k] for k in ("comm_elements", "comm_elements_by_link", "padded_elements", "num_params",
-                              "shard_group_size", "world_size", "cache_overflows", "model_state_bytes")}
+                              "shard_group_size", "hpz_group_size", "world_size", "cache_overflows",
+                              "model_state_bytes", "model_state_bytes_by_kind")}
 
 
 def resharded(rank, world, root, saved_group, load_groups, stage):
@@ -91,20 +122,94 @@ def resharded(rank, world, root, saved_group, load_groups, stage):
     return out
 
 
+def cross_root(pytest_pid: int) -> str:
+    """Where the world-4 run saves the checkpoint the world-3 and world-6 runs load (one per pytest
+    process: the spawned ranks' parent)."""
+    return os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-cross-{pytest_pid}")
+
+
+def _global_rows(world, rank, k):
+    """Step k's rank share of one global batch of 12 rows (the same batch at worlds 3, 4 and 6)."""
+    import torch
+    data = torch.randn(3, 12, 8, generator=torch.Generator().manual_seed(11))
+    per = 12 // world
+    return data[k, rank * per:(rank + 1) * per]
+
+
+def _cross_engine(extra):
+    import zeroshard
+    return zeroshard.initialize(Quirky(), make_adamw, {"stage": 3, "chunk_size": 700, **extra})
+
+
+def cross_save(rank, world):
+    """World 4, G = 2: two steps, a checkpoint, then the step the loaders must reproduce (its model
+    saved beside the checkpoint)."""
+    import torch
+    root = cross_root(os.getppid())
+    engine = _cross_engine({"shard_group_size": 2})
+    for k in range(2):
+        engine.backward(quirky_loss(engine, _global_rows(world, rank, k)))
+        engine.step()
+    engine.save_checkpoint(root, tag="g2w4")
+    saved = digest(engine.full_state_dict())
+    engine.backward(quirky_loss(engine, _global_rows(world, rank, 2)))
+    engine.step()
+    after = engine.full_state_dict()
+    if rank == 0:
+        torch.save(after, os.path.join(root, "after.pt"))
+    return {"saved": saved}
+
+
+def cross_load(rank, world, extra):
+    """Load the world-4 G = 2 checkpoint here: its model's digest, then the next step's distance
+    from the saving run's."""
+    import torch
+    root = cross_root(os.getppid())
+    engine = _cross_engine(extra)
+    engine.load_checkpoint(root, tag="g2w4")
+    loaded = digest(engine.full_state_dict())
+    engine.backward(quirky_loss(engine, _global_rows(world, rank, 2)))
+    engine.step()
+    after = torch.load(os.path.join(root, "after.pt"), weights_only=True)
+    return {"loaded": every_rank(loaded), "next_step_diff": max_diff(engine.full_state_dict(), after)}
+
+
+CROSS_LOADS = {3: {"full": {}}, 6: {"g3": {"shard_group_size": 3}, "hpz2": {"hpz_group_size": 2}}}
+
+
+def run_cross(rank, world, out_path):
+    record(rank, out_path, [(name, functools.partial(cross_load, rank, world, extra))
+                            for name, extra in CROSS_LOADS[world].items()])
+
+
+CROSS_RESULTS = WorldResults(run_cross, "hybrid_cross", shared=False, worlds=(3, 6))
+
+
 def run(rank, world, out_path):
     calls = []
     for group in GROUPS[world]:
         for name, (stage, opt, extra) in PARITY.items():
-            calls.append((f"g{group}_{name}", functools.partial(quirky_parity, rank, world, group, stage, opt, extra)))
+            calls.append((f"g{group}_{name}", functools.partial(quirky_parity, rank, world, "shard_group_size", group,
+                                                                stage, opt, extra)))
         for stage, cache in ((1, None), (2, None), (3, None), (3, 2)):
             calls.append((f"g{group}_counts_stage{stage}_cache{cache}",
                           functools.partial(gpt2_counts, rank, world, group, stage, cache)))
-    calls.append(("full_counts_stage3_cache2", functools.partial(gpt2_counts, rank, world, None, 3, 2)))
+        for name, (opt, extra) in HPZ.items():
+            calls.append((f"g{group}_{name}", functools.partial(quirky_parity, rank, world, "hpz_group_size", group,
+                                                                3, opt, extra)))
+        for cache in (2, None):
+            calls.append((f"g{group}_hpz_counts_cache{cache}", functools.partial(gpt2_counts, rank, world, group, 3,
+                                                                                 cache, "hpz_group_size")))
+        calls.append((f"g{group}_hpz_delayed", functools.partial(hpz_delayed_same_bytes, rank, world, group)))
+    for cache in (2, None):
+        calls.append((f"full_counts_stage3_cache{cache}", functools.partial(gpt2_counts, rank, world, None, 3, cache)))
     root = os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-{os.environ['MASTER_PORT']}")
     loads = {4: [None, 1], 6: [None, 3]}[world]
     for stage in (2, 3):
         calls.append((f"reshard_stage{stage}", functools.partial(resharded, rank, world, os.path.join(root, str(stage)),
                                                                   2, loads, stage)))
+    if world == 4:
+        calls.append(("cross_save", functools.partial(cross_save, rank, world)))
     record(rank, out_path, calls)
 
 

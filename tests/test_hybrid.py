@@ -1,13 +1,14 @@
-"""Hybrid sharding (config shard_group_size): stages 1-3, offload and accumulation train what
-single-process PyTorch trains on the global batch, every rank ending with the same bytes; the
-per-link counts equal docs/communication.md's formulas; checkpoints reshard between hybrid and
-full layouts bit for bit.
+"""Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): stages 1-3, offload and
+accumulation train what single-process PyTorch trains on the global batch, every rank ending with
+the same bytes; the per-link counts and model-state bytes equal docs/communication.md's formulas;
+checkpoints reshard between hybrid and full layouts bit for bit.
 
 Tolerances: fp32 SGD with momentum 1e-5, fp32 AdamW 3e-5 (models.TOL)."""
 import pytest
 
 from distributed import ok
-from hybrid_scenarios import GROUPS, PARITY, RESULTS as HYBRID, TP_CASES, TP_RESULTS
+from hybrid_scenarios import (CROSS_LOADS, CROSS_RESULTS, GROUPS, HPZ, PARITY, RESULTS as HYBRID, TP_CASES, TP_RESULTS,
+                              cross_root)
 from models import TOL
 
 RESULTS = HYBRID  # read by the `res` fixture (conftest.py)
@@ -50,6 +51,69 @@ def test_per_link_counts_equal_the_formulas(res, stage, cache):
         assert psi_real * want <= s["model_state_bytes"] <= 1.04 * psi_real * want, (group, s["model_state_bytes"])
 
 
+@pytest.mark.parametrize("name", list(HPZ))
+def test_hpz_trains_the_single_process_model(res, name):
+    """Parameters sharded over the whole world, secondary shards over groups of G: the same model
+    as plain PyTorch; where the rCache is bounded the secondary shards were read (inside > 0)."""
+    results, world = res
+    opt, extra = HPZ[name]
+    for group in GROUPS[world]:
+        got = ok(results, f"g{group}_{name}")
+        assert (got["shard_group_size"], got["hpz_group_size"]) == (world, group), got
+        assert got["diff"] <= TOL[opt], (group, got["diff"])
+        assert len(set(got["digests"])) == 1, got["digests"]
+        if "cache_chunks" in extra:
+            assert got["comm_elements_by_link"]["inside"] > 0, (group, got["comm_elements_by_link"])
+
+
+def test_hpz_counts_and_bytes_equal_the_formulas(res):
+    """hpZ per rank and step (Psi the padded elements, a 2-chunk rCache): across the groups 2 Psi
+    exactly (each chunk's first gather, from the primary shards, and the reduce-scatter); every
+    other gather reads the secondary shards inside the group, so inside + across is full
+    sharding's total with the same rCache. Model states (fp32 SGD with momentum): full sharding's
+    12/W bytes per parameter plus the secondary shards' 4/G."""
+    results, world = res
+    full = ok(results, "full_counts_stage3_cache2")
+    for group in GROUPS[world]:
+        s = ok(results, f"g{group}_hpz_counts_cache2")
+        psi, link = s["padded_elements"], s["comm_elements_by_link"]
+        assert (s["shard_group_size"], s["hpz_group_size"], s["cache_overflows"]) == (world, group, 0)
+        assert link["across"] == 2 * psi, (group, link, psi)
+        assert 0 < link["inside"] <= psi and link["inside"] + link["across"] == full["comm_elements"], (group, link)
+        by_kind = s["model_state_bytes_by_kind"]
+        assert by_kind["secondary"] == 4 * psi // group, (group, by_kind)
+        assert by_kind["params"] + by_kind["grads"] + by_kind["optimizer"] == full["model_state_bytes"], by_kind
+        psi_real = s["num_params"]
+        want = 12 / world + 4 / group
+        assert psi_real * want <= s["model_state_bytes"] <= 1.04 * psi_real * want, (group, s["model_state_bytes"])
+
+
+def test_the_planners_link_model_counts_what_the_runtime_moves(res):
+    """planning/links.py's volumes (every chunk cached, one micro-batch) against the counts of the
+    same stage-3 step: full sharding over W, HSDP inside G and across its replicas, hpZ."""
+    from zeroshard.planning.links import volumes
+    results, world = res
+    full = ok(results, "full_counts_stage3_cacheNone")
+    assert volumes("full sharding", full["padded_elements"], world, world, 1, regather=False)["W"] == \
+        full["comm_elements"]
+    for group in GROUPS[world]:  # Psi: each run's padded elements (chunks pad to their shard count)
+        s = ok(results, f"g{group}_counts_stage3_cacheNone")
+        hsdp, want = s["comm_elements_by_link"], volumes("HSDP (node)", s["padded_elements"], world, group, 1, False)
+        assert (hsdp["inside"], hsdp["across"]) == (want["G"], want["replicas"]), (group, hsdp, want)
+        s = ok(results, f"g{group}_hpz_counts_cacheNone")
+        hpz, want = s["comm_elements_by_link"], volumes("hpZ (node)", s["padded_elements"], world, group, 1, False)
+        assert (hpz["inside"], hpz["across"]) == (want["G"], want["W"]), (group, hpz, want)
+
+
+def test_hpz_with_the_delayed_update_trains_the_same_bytes(res):
+    """The delayed update lands in the primary shards after the step's flush: with and without
+    hpZ, the same bytes on every rank."""
+    results, world = res
+    for group in GROUPS[world]:
+        digests = ok(results, f"g{group}_hpz_delayed")["digests"]
+        assert all(d == digests[0] for d in digests) and digests[0][0] == digests[0][1], digests
+
+
 def test_full_sharding_counts_everything_inside(res):
     results, world = res
     s = ok(results, "full_counts_stage3_cache2")
@@ -67,6 +131,24 @@ def test_checkpoints_reshard_between_hybrid_and_full(res, stage):
     for group, r in got.items():
         assert r["loaded_diff"] == 0.0, (group, r)
         assert r["next_step_diff"] <= TOL["adamw"], (group, r)
+
+
+def test_checkpoints_move_across_world_sizes_and_layouts(tmp_path_factory):
+    """Saved at world 4 with G = 2 (stage 3, AdamW); loaded at world 3 with full sharding, and at
+    world 6 with G = 3 and with hpZ over groups of 2: the saved model bit for bit on every rank,
+    and the next step on the same global batch within AdamW's 3e-5 of the saving run's."""
+    import os
+    import shutil
+    try:
+        saved = ok(HYBRID.get(4, tmp_path_factory), "cross_save")["saved"]
+        for world, loads in CROSS_LOADS.items():
+            results = CROSS_RESULTS.get(world, tmp_path_factory)
+            for name in loads:
+                got = ok(results, name)
+                assert set(got["loaded"]) == {saved}, (world, name, got["loaded"], saved)
+                assert got["next_step_diff"] <= TOL["adamw"], (world, name, got["next_step_diff"])
+    finally:
+        shutil.rmtree(cross_root(os.getpid()), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

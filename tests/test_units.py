@@ -34,6 +34,17 @@ def test_shard_group_size_config_refuses_what_it_cannot_do():
     assert load_config({"shard_group_size": "node", "stage": 3}).shard_group_size == "node"
 
 
+def test_hpz_group_size_config_refuses_what_it_cannot_do():
+    for bad in (0, "gpu", 2.0):
+        with pytest.raises(zeroshard.ConfigError, match="hpz_group_size"):
+            load_config({"hpz_group_size": bad, "stage": 3})
+    for combo, words in (({"stage": 2}, "needs stage 3"), ({"stage": 3, "shard_group_size": 2}, "choose one"),
+                         ({"stage": 3, "offload": "auto"}, "not planned")):
+        with pytest.raises(zeroshard.ConfigError, match=words):
+            load_config({"hpz_group_size": 2, **combo})
+    assert load_config({"hpz_group_size": "node", "stage": 3}).hpz_group_size == "node"
+
+
 def test_shard_group_size_must_divide_the_data_parallel_world(monkeypatch):
     from zeroshard.distributed.shard_groups import resolve_group_size
     assert resolve_group_size(None, 6) == 6 and resolve_group_size(3, 6) == 3
@@ -198,8 +209,11 @@ class _FakeChunk:
     def finish_gather(self):
         self.state = ChunkState.GATHERED
 
-    def release(self):
+    def release(self, stale=False):
         self.state = ChunkState.SHARDED
+
+    def forget_secondary(self):
+        pass
 
 
 def _use(cache, chunks, seq):

@@ -107,6 +107,12 @@ class Config:
         shard all-reduced across the groups. An integer dividing the data-parallel world, 'node'
         for the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE / tensor_parallel),
         or None (default) for the whole data-parallel world. Stages 1-3.
+    hpz_group_size: hpZ (ZeRO++, shard_groups.py), stage 3: parameters stay sharded over the whole
+        data-parallel world, and each chunk's gather leaves every rank a secondary shard (1/G of the
+        chunk, G this many consecutive ranks); until the next step, gathers read those over the
+        group of G and never leave it (the backward's, and later micro-batches' forwards). Costs
+        the chunk's size / G per chunk in device memory. Same values as shard_group_size; not
+        combined with it.
     init_seed: the base seed of a model built on the meta device (materialize.py): each tensor is
         initialised from it and its own name, so the model is the same at any world size, stage and
         chunk size.
@@ -141,6 +147,7 @@ class Config:
     leaf_modules: str | tuple[str, ...] = "auto"
     allow_nonfinite_weights: bool = False
     shard_group_size: int | str | None = None
+    hpz_group_size: int | str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,6 +269,19 @@ class Config:
             if self.delay_update_after is not None:
                 raise ConfigError("zeroshard config: shard_group_size with delay_update_after is not supported yet "
                                   "(the delayed step would have to sum the shard groups' gradients in its thread)")
+        if self.hpz_group_size is not None:
+            if self.hpz_group_size != "node" and (not is_int(self.hpz_group_size) or self.hpz_group_size < 1):
+                bad("hpz_group_size", "an integer >= 1 (ranks per secondary group), 'node', or None (no hpZ)")
+            if self.stage != 3:
+                raise ConfigError(f"zeroshard config: hpz_group_size keeps secondary shards of stage 3's gathered "
+                                  f"parameters: it needs stage 3 (got stage {self.stage})")
+            if self.shard_group_size is not None:
+                raise ConfigError("zeroshard config: hpz_group_size and shard_group_size are two ways to keep "
+                                  "gathers inside a node (hpZ: parameters sharded over every rank, a secondary "
+                                  "copy per node; HSDP: model states sharded per node): choose one")
+            if self.planned:
+                raise ConfigError("zeroshard config: hpz_group_size is not planned by offload/stage 'auto' yet; "
+                                  "set the stage and offload yourself with it")
         if self.offload_params and self.stage != 3:
             raise ConfigError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")

@@ -108,7 +108,7 @@ class Engine(EngineIO):
         self._expect_idle("forward")
         if torch.is_grad_enabled():
             self._follow_requires_grad()
-        self.comm.at(pass_index=self.micro_steps)
+        self.shards.at(pass_index=self.micro_steps)
         self.phase = TrainingPhase.FORWARD
         if torch.is_grad_enabled() and self.module.training:
             self.meter.forward(args, kwargs)
@@ -231,13 +231,13 @@ class Engine(EngineIO):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         invariant(self.phase is TrainingPhase.IDLE, lambda: f"a backward began in {self.phase}")
         self.phase = TrainingPhase.BACKWARD
-        self.comm.at(pass_index=self.micro_steps)
+        self.shards.at(pass_index=self.micro_steps)
         self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync)
 
     def _set_steps(self, steps: int) -> None:
         """Optimizer steps applied so far; errors name the one being worked towards (comm.step)."""
         self.steps = steps
-        self.comm.at(step=steps + 1)
+        self.shards.at(step=steps + 1)
 
     def restore_counters(self, steps: int) -> None:
         """A checkpoint's step count, at an accumulation boundary (micro-batches count afresh)."""
@@ -306,7 +306,7 @@ class Engine(EngineIO):
         try:
             with self._waits("run the optimizer step after"):
                 if self.reducer.unreduced:  # the window's last backward ran under no_sync()
-                    self.comm.at(pass_index=self.micro_steps)
+                    self.shards.at(pass_index=self.micro_steps)
                     self.reducer.reduce_unreduced(self.chunks)
                 applied = self.optim.step()
         finally:  # nothing of a step's gradients, failed or not, carries into the next one

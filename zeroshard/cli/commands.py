@@ -85,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("search")
     s.add_argument("--stage", choices=("auto", "2", "3"), default="auto", help="restrict the plan to one stage")
     s.add_argument("--no-offload", action="store_true", help="keep every optimizer state on the GPU")
+    n = p.add_argument_group("across nodes (MODEL may be a parameter count, e.g. 70B; prints full sharding, HSDP "
+                             "and hpZ at each node count instead of profiling; link model: planning/links.py)")
+    n.add_argument("--nodes", type=int_list, default=None, help="node counts, e.g. 1,8,64,1024")
+    n.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    n.add_argument("--intra-node-bandwidth", type=bandwidth, default=None, help="collective bandwidth per GPU "
+                   "inside a node (default 300GB/s)")
+    n.add_argument("--inter-node-bandwidth", type=bandwidth, default=None, help="collective bandwidth per GPU "
+                   "across nodes (default 25GB/s)")
+    n.add_argument("--global-batch-tokens", type=positive_int, default=4 * 2**20, help="tokens per optimizer "
+                   "step, kept as nodes are added (default 4194304)")
+    n.add_argument("--layers", type=positive_int, default=None, help="transformer blocks, for the activations")
+    n.add_argument("--hidden", type=positive_int, default=None, help="hidden size, for the activations")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_plan, subparser=p)
 

@@ -17,11 +17,21 @@ then deadlock (seen at world 4: rank 0 waiting across for rank 2, 2 inside for 3
 1 inside for 0). The step is a point every rank reaches with nothing inside in flight, and the
 sum over micro-batches is all-reduced once per step instead of once per micro-batch.
 
+hpZ (ZeRO++'s hierarchical partitioning, config `hpz_group_size` G', stage 3): the chunks stay
+sharded over the whole data-parallel world (1/W of the parameters per rank, gradients
+reduce-scattered over it), and each chunk's gather also leaves this rank a *secondary shard*: its
+1/G' of the chunk, inside a group of G' consecutive ranks (the secondary group, a node). Until the
+parameters next change (the step), the chunk's gathers read the secondary shards over that group
+and never cross it: the backward's, and later micro-batches' forwards. It costs the secondary
+shards' memory (the chunk's size / G' per chunk, kept from the first gather on) and moves the
+forward's gather and the reduce-scatter over the whole world: per step, across 2Psi, inside Psi
+(docs/communication.md), against full sharding's 3Psi across.
+
 `ShardGroups` is what the chunks, the rCache, the reducer and the layout talk to: the Comm calls
 they make, each routed to the group it belongs on. Sizes and counts are in elements, counted per
 link as the ZeRO paper counts volume (docs/communication.md has the formulas): `inside` is what
-moved over the shard group, `across` what moved over groups spanning several shard groups (the
-replica groups, and the data-parallel group's own collectives).
+moved over the shard group (hpZ: the secondary group), `across` what moved over groups spanning
+several of them (the replica groups, and the data-parallel group's own collectives).
 """
 from __future__ import annotations
 
@@ -35,23 +45,23 @@ from .collectives import Comm, ranks_per_node
 from .ordering import collective_timeout
 
 
-def resolve_group_size(setting, dp_world: int, tensor_parallel: int = 1) -> int:
-    """Config shard_group_size as a number of data-parallel ranks: None = all of them; "node" =
-    the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE / tensor_parallel). Raises
-    ConfigError when it does not divide the data-parallel world."""
+def resolve_group_size(setting, dp_world: int, tensor_parallel: int = 1, key: str = "shard_group_size") -> int:
+    """Config `key` (shard_group_size, hpz_group_size) as a number of data-parallel ranks: None =
+    all of them; "node" = the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE /
+    tensor_parallel). Raises ConfigError when it does not divide the data-parallel world."""
     if setting is None:
         return dp_world
     if setting == "node":
         per_node = ranks_per_node()
         if per_node % tensor_parallel:
-            raise ConfigError(f"zeroshard config: shard_group_size='node': {per_node} ranks per node do not split into "
+            raise ConfigError(f"zeroshard config: {key}='node': {per_node} ranks per node do not split into "
                               f"tensor-parallel groups of {tensor_parallel}")
         size = per_node // tensor_parallel
     else:
         size = setting
     if dp_world % size:
-        raise ConfigError(f"zeroshard config: shard_group_size={setting!r} ({size} ranks) does not divide the "
-                          f"{dp_world} data-parallel ranks into equal shard groups")
+        raise ConfigError(f"zeroshard config: {key}={setting!r} ({size} ranks) does not divide the "
+                          f"{dp_world} data-parallel ranks into equal groups")
     return size
 
 
@@ -61,6 +71,36 @@ def _data_parallel_groups(world: int, tensor_parallel: int) -> list[list[int]]:
     return [list(range(t, world, tensor_parallel)) for t in range(tensor_parallel)]
 
 
+def _consecutive(size: int, tensor_parallel: int) -> list[list[int]]:
+    """Every data-parallel group cut into groups of `size` consecutive data-parallel ranks (the
+    shard groups; hpZ's secondary groups)."""
+    return [ranks[k:k + size] for ranks in _data_parallel_groups(dist.get_world_size(), tensor_parallel)
+            for k in range(0, len(ranks), size)]
+
+
+def _split(size: int, tensor_parallel: int) -> list[list[list[int]]]:
+    """Hybrid sharding's two kinds of group: the shard groups, and the replica groups (the ranks
+    holding the same shard in every shard group of a data-parallel group)."""
+    replica_groups = [ranks[j::size] for ranks in _data_parallel_groups(dist.get_world_size(), tensor_parallel)
+                      for j in range(size)]
+    return [_consecutive(size, tensor_parallel), replica_groups]
+
+
+def _own_groups(device: torch.device, kinds: list[list[list[int]]]) -> list[Comm]:
+    """Collective over every rank (torch's new_group): every group of every kind, made in one order
+    everywhere; for each kind, the Comm over the group that holds this rank."""
+    me = dist.get_rank()
+    own = []
+    for groups in kinds:
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=collective_timeout())
+            if me in ranks:
+                mine = Comm(device, group)
+        own.append(mine)
+    return own
+
+
 class ShardGroups:
     """The collectives of chunks, over the shard group and across the groups.
 
@@ -68,41 +108,38 @@ class ShardGroups:
     split into). `dp`: the whole data-parallel group (W ranks). `inside`: the shard group (`dp`
     itself when G == W). `across`: this rank's replica group (the ranks holding the same shard in
     the other groups; None when G == W). `replica`: which shard group this rank is in (0..W/G-1).
+    hpZ (`secondary_size` G' < W, only with G == W): `secondary` is this rank's secondary group,
+    `secondary_rank` its place there; None and 0 otherwise.
     """
 
-    def __init__(self, dp: Comm, size: int, tensor_parallel: int = 1):
+    def __init__(self, dp: Comm, size: int, tensor_parallel: int = 1, secondary_size: int | None = None):
         self.dp = dp
         self.size = size
         self.replicas = dp.world // size
         self.replica = dp.rank // size
-        self.inside, self.across = dp, None
+        self.inside, self.across, self.secondary = dp, None, None
         if self.replicas > 1:
-            self.inside, self.across = self._split(dp, size, tensor_parallel)
+            self.inside, self.across = _own_groups(dp.device, _split(size, tensor_parallel))
+        elif secondary_size is not None and secondary_size < dp.world:
+            self.secondary, = _own_groups(dp.device, [_consecutive(secondary_size, tensor_parallel)])
         self.rank, self.world = self.inside.rank, self.inside.world
+        self.secondary_rank = self.secondary.rank if self.secondary is not None else 0
+        self.secondary_size = self.secondary.world if self.secondary is not None else 1
         self.device = dp.device
-
-    @staticmethod
-    def _split(dp: Comm, size: int, tensor_parallel: int) -> tuple[Comm, Comm]:
-        """Collective over every rank (torch's new_group): the shard groups and replica groups of
-        every data-parallel group, made in one order everywhere; this rank's two as Comms."""
-        me = dist.get_rank()
-        inside = across = None
-        shard_groups, replica_groups = [], []
-        for ranks in _data_parallel_groups(dist.get_world_size(), tensor_parallel):
-            shard_groups += [ranks[k:k + size] for k in range(0, len(ranks), size)]
-            replica_groups += [ranks[j::size] for j in range(size)]
-        for ranks in shard_groups + replica_groups:
-            group = dist.new_group(ranks, timeout=collective_timeout())
-            if me in ranks:
-                if inside is None:
-                    inside = Comm(dp.device, group)
-                else:
-                    across = Comm(dp.device, group)
-        return inside, across
 
     @property
     def hybrid(self) -> bool:
         return self.across is not None
+
+    @property
+    def hpz(self) -> bool:
+        """Secondary shards in use (hpZ)."""
+        return self.secondary is not None
+
+    def at(self, pass_index: int | None = None, step: int | None = None) -> None:
+        """Where training is, on every group's Comm (their order tags and errors: Comm.at)."""
+        for comm in self._comms():
+            comm.at(pass_index=pass_index, step=step)
 
     @property
     def leader(self) -> bool:
@@ -115,13 +152,22 @@ class ShardGroups:
         self.dp.enable_order_checks()
         if self.hybrid:
             self.inside.enable_order_checks()
+        if self.hpz:
+            self.secondary.enable_order_checks()
 
     def progress(self) -> None:
         self.inside.progress()
+        if self.hpz:
+            self.secondary.progress()
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, tag=None):
         """A chunk from its shards: inside the shard group."""
         return self.inside.all_gather(full, shard, async_op=async_op, tag=tag)
+
+    def all_gather_secondary(self, full: torch.Tensor, piece: torch.Tensor, async_op: bool = False, tag=None):
+        """hpZ: a chunk from the secondary shards, over the secondary group (`piece`: this rank's,
+        in place in `full`)."""
+        return self.secondary.all_gather(full, piece, async_op=async_op, tag=tag)
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag=None):
         """In place: this rank's shard of `full` <- the sum over the shard group of that shard
@@ -160,7 +206,8 @@ class ShardGroups:
             yield
 
     def _comms(self) -> list[Comm]:
-        return [self.dp] if not self.hybrid else [self.dp, self.inside, self.across]
+        return [self.dp] + ([self.inside, self.across] if self.hybrid else []) + \
+            ([self.secondary] if self.hpz else [])
 
     @property
     def elements(self) -> int:
@@ -168,7 +215,10 @@ class ShardGroups:
         return sum(c.elements for c in self._comms())
 
     def elements_by_link(self) -> dict[str, int]:
-        """{"inside": elements over the shard group, "across": over groups spanning several}."""
+        """{"inside": elements over the shard group (hpZ: the secondary group), "across": over
+        groups spanning several (without either, everything is inside one group)."""
+        if self.hpz:
+            return {"inside": self.secondary.elements, "across": self.dp.elements}
         if not self.hybrid:
             return {"inside": self.dp.elements, "across": 0}
         return {"inside": self.inside.elements, "across": self.across.elements + self.dp.elements}

@@ -109,10 +109,13 @@ class ChunkCache:
         self._shrink()
 
     def flush(self) -> None:
-        """Release every cached chunk: after an optimizer step the gathered copies are stale."""
+        """Release every cached chunk: after an optimizer step the gathered copies, and hpZ's
+        secondary shards, are stale (whoever flushes is about to change the parameters, or has)."""
         invariant(not self.pins, lambda: f"rCache flush with pinned chunks {sorted(self.pins)}")
         for c in list(self.cached.values()):
-            c.release()
+            c.release(stale=True)
+        for c in self.chunks_by_index.values():
+            c.forget_secondary()
         self.cached.clear()
         self._bytes = 0
 

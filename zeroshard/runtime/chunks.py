@@ -20,7 +20,8 @@ from ..errors import invariant
 from .offload import Pending, Placement, Transfer, fold_host_grad
 from ..distributed.ordering import GATHER, REDUCE
 from ..distributed.tensor_parallel import set_local
-from .packing import Fill, MasterPiece, Slot, padded_numel
+from .packing import Fill, MasterPiece, Slot, fill_chunk, padded_numel
+from .secondary import SecondaryShard
 
 class ChunkState(enum.Enum):
     SHARDED = "sharded"
@@ -47,7 +48,7 @@ class Chunk:
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
                  dtype: torch.dtype, device: torch.device, trainable: bool, fill: "Fill",
                  comm=None, placement: Placement = Placement(), transfer: Transfer | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, secondary: tuple[int, int] = (0, 1)):
         self.index = index
         self.slots = slots
         self.stage = stage
@@ -75,6 +76,9 @@ class Chunk:
             self.full = torch.zeros(self.padded_numel, dtype=dtype, device=device)
             self.shard = self.full[self.owned_range[0]:self.owned_range[1]]  # stage 0: the whole chunk
             self.state = ChunkState.GATHERED
+        # hpZ: secondary = (this rank's place in its secondary group, the group's size)
+        self.secondary = SecondaryShard(self.padded_numel, *secondary, dtype, device) \
+            if stage == 3 and secondary[1] > 1 else None
         self.master = None
         # fp32 training with master and shard on the same side: the optimizer updates the compute
         # storage itself; otherwise the master is an fp32 copy on the optimizer's side.
@@ -88,7 +92,7 @@ class Chunk:
                 self.master = self.transfer.host_empty(n, torch.float32) if placement.optimizer_on_host \
                     else torch.empty(n, dtype=torch.float32, device=device)
                 self.master.zero_()
-        self._fill(fill, comm, rank)
+        fill_chunk(self, fill, comm)
         self.pieces: list[MasterPiece] = self._master_pieces() if trainable else []
         # In-flight async collectives. Gathers and reductions are independent and can overlap (a
         # chunk re-gathered in backward while its gradient is being reduced), so each has its own.
@@ -169,28 +173,6 @@ class Chunk:
         at stage 3."""
         return self.shard_range if self.stage == 3 else (0, self.padded_numel)
 
-    def _fill(self, fill: "Fill", comm, rank: int) -> None:
-        """Write the initial values. With `comm`, every rank takes rank 0's values (as DDP does): rank
-        0 fills the whole chunk in fp32 and broadcasts it (other ranks ask `fill` for nothing).
-        Otherwise each rank asks `fill` only for the elements it stores (at stage 3, its shard), so
-        no rank holds more of the model than its own states plus one parameter."""
-        def blocks(got):
-            return [got.reshape(-1)] if torch.is_tensor(got) else got
-
-        if comm is not None:
-            full32 = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
-            if comm.leader:  # the data-parallel group's rank 0 (hybrid: not every group's shard rank 0)
-                for s in self.slots:
-                    full32[s.offset:s.offset + s.numel].copy_(torch.cat(list(blocks(fill(s, 0, s.numel)))))
-            comm.broadcast(full32)
-            self.write_elements(0, self.padded_numel, full32)
-            return
-        lo, hi = self.held_range()
-        for s in self.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                self.write_blocks(s, a - s.offset, blocks(fill(s, a - s.offset, b - s.offset)))
-
     @torch.no_grad()
     def write_elements(self, lo: int, hi: int, values: torch.Tensor) -> None:
         """Write chunk elements [lo, hi) (`values`, any floating dtype, read as fp32) into every copy
@@ -204,6 +186,7 @@ class Chunk:
             put(self.full, 0)
         else:
             put(self.shard, self.shard_range[0])
+            self.forget_secondary()
         if self.master is not None and not self.master_is_shard:
             put(self.master, self.owned_range[0])
 
@@ -257,16 +240,20 @@ class Chunk:
 
     # -- stage 3 gather / release ---------------------------------------------------------------
     def start_gather(self, comm) -> None:
-        """SHARDED -> GATHERING: allocate the full chunk and start the all-gather."""
+        """SHARDED -> GATHERING: allocate the full chunk and start the all-gather (hpZ, with the
+        secondary shards current: over the secondary group, from them)."""
         invariant(self.state is ChunkState.SHARDED, lambda: f"chunk {self.index}: start_gather in {self.state}")
         self.await_arrival()
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        self.state = ChunkState.GATHERING
+        if self.secondary is not None and self.secondary.current:
+            self.gather_work = self.secondary.start_gather(self.full, comm, self.index)
+            return
         shard = self.shard
         if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
             lo, hi = self.shard_range
             shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
         self.gather_work = comm.all_gather(self.full, shard, async_op=True, tag=(GATHER, self.index))
-        self.state = ChunkState.GATHERING
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""
@@ -278,14 +265,22 @@ class Chunk:
         self.state = ChunkState.GATHERED
         self.bind_params()
 
-    def release(self) -> None:
-        """GATHERED -> SHARDED: free the full chunk (stage 3 only)."""
+    def release(self, stale: bool = False) -> None:
+        """GATHERED -> SHARDED: free the full chunk (stage 3 only). hpZ: its values become this
+        rank's secondary shard, unless `stale` (the parameters are about to change: the step)."""
         if self.state is ChunkState.GATHERING:
             self.finish_gather()
         invariant(self.state is ChunkState.GATHERED, lambda: f"chunk {self.index}: release in {self.state}")
+        if self.secondary is not None:
+            self.secondary.forget() if stale else self.secondary.keep(self.full)
         self.unbind_params()
         self.full = None
         self.state = ChunkState.SHARDED
+
+    def forget_secondary(self) -> None:
+        """hpZ: the parameters change (a step, a load): the next gather reads the primary shards."""
+        if self.secondary is not None:
+            self.secondary.forget()
 
     # -- gradients -----------------------------------------------------------------------------
     def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
@@ -444,11 +439,14 @@ class Chunk:
     # -- accounting ----------------------------------------------------------------------------
     def state_bytes(self) -> list[tuple[str, bool, int]]:
         """Persistent bytes this chunk holds on this rank, as (kind, on host, bytes) with kind
-        'params', 'grads' or 'master' (the optimizer's own states are counted by the engine)."""
+        'params', 'secondary' (hpZ), 'grads' or 'master' (the optimizer's own states are counted
+        by the engine)."""
         el = torch.tensor([], dtype=self.dtype).element_size()
         gel = torch.tensor([], dtype=self.grad_dtype).element_size()
         out = [("params", self.stage == 3 and self.placement.params_on_host,
                 (self.shard_numel if self.stage == 3 else self.padded_numel) * el)]
+        if self.secondary is not None:
+            out.append(("secondary", False, self.secondary.nbytes))
         if self.trainable:
             if self.stage <= 1:  # the full gradient stays on the device for accumulation
                 out.append(("grads", False, self.padded_numel * gel))

@@ -84,7 +84,8 @@ class ChunkLayout:
             c = Chunk(len(chunks), slots, stage=self.stage, rank=self.comm.rank, world=self.comm.world,
                       dtype=self.dtype, device=self.device, trainable=group, fill=fill,
                       comm=self.comm if broadcast else None, placement=self.placement_of(len(chunks)),
-                      transfer=self.transfer, grad_dtype=self.grad_dtype)
+                      transfer=self.transfer, grad_dtype=self.grad_dtype,
+                      secondary=(self.comm.secondary_rank, self.comm.secondary_size))
             chunks.append(c)
             for s in slots:
                 self.slot_of[id(s.param)] = (c, s)
@@ -137,7 +138,7 @@ class ChunkLayout:
         """Stage 3, before a re-pack: give back every gathered chunk."""
         for c in self.chunks:
             if self.stage == 3 and c.state is not ChunkState.SHARDED:
-                c.release()
+                c.release(stale=True)
 
     def record_first_use(self, module: nn.Module, leaves=()) -> None:
         """Record the order of first use in the next training forward (a leaf unit's parameters as

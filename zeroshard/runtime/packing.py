@@ -1,7 +1,7 @@
 """How parameters are placed into chunks: the packing rule (next-fit in order, trainable apart from
 frozen), chunk lengths padded to equal aligned shards, the default chunk size, `Slot`, a
-parameter's place in its chunk, and `MasterPiece`, its part of an owned range (words:
-docs/vocabulary.md). The engine's layout (layout.py) and the
+parameter's place in its chunk, `MasterPiece`, its part of an owned range, and a new chunk's
+initial values (`fill_chunk`; words: docs/vocabulary.md). The engine's layout (layout.py) and the
 planner's (planning/planner.py) both pack with this, so the plan describes the chunks that run.
 """
 from __future__ import annotations
@@ -106,3 +106,28 @@ class MasterPiece:
     lo: int
     hi: int
     param: nn.Parameter
+
+
+@torch.no_grad()
+def fill_chunk(chunk, fill: Fill, comm=None) -> None:
+    """Write a new chunk's initial values (chunks.Chunk calls it as it is built). With `comm` (the
+    ShardGroups), every rank takes rank 0's values (as DDP does): rank 0 fills the whole chunk in
+    fp32 and broadcasts it (other ranks ask `fill` for nothing). Otherwise each rank asks `fill`
+    only for the elements it stores (at stage 3, its shard), so no rank holds more of the model
+    than its own states plus one parameter."""
+    def blocks(got):
+        return [got.reshape(-1)] if torch.is_tensor(got) else got
+
+    if comm is not None:
+        full32 = torch.zeros(chunk.padded_numel, dtype=torch.float32, device=chunk.device)
+        if comm.leader:  # the data-parallel group's rank 0 (hybrid: not every group's shard rank 0)
+            for s in chunk.slots:
+                full32[s.offset:s.offset + s.numel].copy_(torch.cat(list(blocks(fill(s, 0, s.numel)))))
+        comm.broadcast(full32)
+        chunk.write_elements(0, chunk.padded_numel, full32)
+        return
+    lo, hi = chunk.held_range()
+    for s in chunk.slots:
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            chunk.write_blocks(s, a - s.offset, blocks(fill(s, a - s.offset, b - s.offset)))

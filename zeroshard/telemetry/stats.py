@@ -83,9 +83,12 @@ class StepMeter:
 
 def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes of model states this rank keeps between steps, by kind ('params', 'grads', 'optimizer':
-    fp32 masters and the optimizer's states) and by where ('device', 'host')."""
+    fp32 masters and the optimizer's states; with hpZ, 'secondary': the secondary shards) and by
+    where ('device', 'host')."""
     opt_bytes = optim.state_bytes()
     by_kind = {"params": 0, "grads": 0, "optimizer": sum(opt_bytes.values())}
+    if any(c.secondary is not None for c in chunks):
+        by_kind["secondary"] = 0
     by_device = {"device": opt_bytes[False], "host": opt_bytes[True]}
     for c in chunks:
         for kind, on_host, n in c.state_bytes():
@@ -106,6 +109,7 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
         "comm_elements": shards.elements,
         "comm_elements_by_link": shards.elements_by_link(),
         "shard_group_size": shards.size,
+        "hpz_group_size": shards.secondary_size if shards.hpz else None,
         "control_collectives": comm.control_collectives,
         "order_checks": comm.order_checks,
         "model_state_bytes": sum(by_kind.values()),
