@@ -1,16 +1,19 @@
-"""Scenarios of tests/test_hybrid.py: hybrid sharding (config shard_group_size) at worlds 4 (2 groups
-of 2) and 6 (3 groups of 2, 2 groups of 3), each trained against single-process PyTorch on the
-global batch, with its per-link communication counts and its checkpoints resharded."""
+"""Scenarios of tests/test_hybrid.py: hybrid sharding (config shard_group_size) and hpZ
+(hpz_group_size) at worlds 4 (2 groups of 2) and 6 (3 groups of 2, 2 groups of 3), each trained
+against single-process PyTorch on the global batch, with its per-link communication counts and
+model-state bytes, offload/stage 'auto', the delayed update, the Trainer, and its checkpoints
+resharded (within a world; from world 4 to worlds 3 and 6) and exported."""
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 
 
 from distributed import WorldResults, every_rank, record
 from models import (Quirky, batches, digest, make_adamw, make_sgd, max_diff, parity, quirky_data, quirky_loss,
-                    tiny_gpt2)
+                    reference, tiny_gpt2, train)
 
 STEPS = 3
 GROUPS = {4: (2,), 6: (2, 3)}  # shard group sizes tried at each world
@@ -66,6 +69,65 @@ def hpz_delayed_same_bytes(rank, world, group):
             engine.step()
         digests.append(digest(engine.full_state_dict()))
     return {"digests": every_rank(digests)}
+
+
+def hybrid_delayed(rank, world, group, stage):
+    """The delayed update (offloaded optimizer, from step 2 on) with shard groups of `group` and
+    with full sharding: the same optimisation (each delayed step's gradients summed over every
+    rank before the background step), so the same model up to the order of the sums."""
+    import zeroshard
+    data = quirky_data(4, world)
+    fulls = []
+    for extra in ({"shard_group_size": group}, {}):
+        engine = zeroshard.initialize(Quirky(), make_adamw, {
+            "stage": stage, "chunk_size": 700, "offload_optimizer": True, "delay_update_after": 1, **extra})
+        for k in range(4):
+            engine.backward(quirky_loss(engine, data[k, 0, rank]))
+            engine.step()
+        fulls.append(engine.full_state_dict())
+        applied = engine.stats()["step"]
+    return {"diff": max_diff(*fulls), "digests": every_rank(digest(fulls[0])), "steps": applied}
+
+
+def hybrid_trainer(rank, world, group):
+    """The Hugging Face Trainer (trainer_scenarios.py's run) with shard groups of `group` at stage
+    3, against the plain zeroshard loop with full sharding; its save_model opened by
+    from_pretrained."""
+    import transformers
+    import trainer_scenarios as ts
+    transformers.logging.set_verbosity_error()
+    root = os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-trainer-{os.environ['MASTER_PORT']}")
+    got = ts.trainer_run(rank, world, 3, os.path.join(root, "trainer"), config={"shard_group_size": group})
+    plain, _ = ts.plain_loop(rank, world, 3, os.path.join(root, "plain"))
+    final = os.path.join(root, "final")
+    got["trainer"].save_model(final)
+    out = {"state_vs_plain": max_diff(got["state"], plain), "digests": every_rank(digest(got["state"])),
+           "shard_group_size": got["trainer"].engine.stats()["shard_group_size"]}
+    if rank == 0:
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(final).state_dict()
+        out["save_model_max_diff"] = max(float((loaded[k] - got["state"][k]).abs().max()) for k in got["state"])
+        shutil.rmtree(root, ignore_errors=True)  # every rank is past save_model, the last collective
+    return out
+
+
+def hybrid_auto(rank, world, group):
+    """offload/stage 'auto' with shard groups of `group`: planned for the group (a cap between
+    ZeRO-3 and ZeRO-3 offload of a G-rank world), trains the single-process model."""
+    import zeroshard
+    from scenarios import _auto_caps
+    data = batches(3, world, 2, accumulation=2)
+    ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
+    example = {"input_ids": data[0, 0, rank], "labels": data[0, 0, rank]}
+    caps, _ = _auto_caps(group, "fp32", make_adamw, example)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {
+        "stage": "auto", "offload": "auto", "device_memory": caps["tight"], "gradient_accumulation_steps": 2,
+        "shard_group_size": group}, example_inputs=example)
+    train(engine, data, rank)
+    s = engine.stats()
+    return {"diff": max_diff(engine.full_state_dict(), ref), "digests": every_rank(digest(engine.full_state_dict())),
+            "plan_fits": engine.plan.fits, "offloaded_chunks": engine.plan.offloaded_chunks,
+            "predicted_device_model_bytes": engine.plan.device_model_bytes,
+            "device_model_bytes": s["device_model_bytes"], "shard_group_size": s["shard_group_size"]}
 
 
 def gpt2_counts(rank, world, group, stage, cache, key="shard_group_size"):
@@ -150,14 +212,22 @@ def cross_save(rank, world):
     for k in range(2):
         engine.backward(quirky_loss(engine, _global_rows(world, rank, k)))
         engine.step()
-    engine.save_checkpoint(root, tag="g2w4")
-    saved = digest(engine.full_state_dict())
+    path = engine.save_checkpoint(root, tag="g2w4")
+    full = engine.full_state_dict()
+    saved = digest(full)
+    export = {}
+    if rank == 0:  # `zeroshard export` of the hybrid checkpoint: the model as saved, bit for bit
+        from safetensors.torch import load_file
+        from zeroshard.state.export import export as export_checkpoint
+        exported = load_file(export_checkpoint(path, os.path.join(root, "exported.safetensors")))
+        export = {"keys": sorted(exported), "full_keys": sorted(full),
+                  "diff": max(float((exported[k] - full[k]).abs().max()) for k in exported)}
     engine.backward(quirky_loss(engine, _global_rows(world, rank, 2)))
     engine.step()
     after = engine.full_state_dict()
     if rank == 0:
         torch.save(after, os.path.join(root, "after.pt"))
-    return {"saved": saved}
+    return {"saved": saved, "export": export}
 
 
 def cross_load(rank, world, extra):
@@ -201,6 +271,10 @@ def run(rank, world, out_path):
             calls.append((f"g{group}_hpz_counts_cache{cache}", functools.partial(gpt2_counts, rank, world, group, 3,
                                                                                  cache, "hpz_group_size")))
         calls.append((f"g{group}_hpz_delayed", functools.partial(hpz_delayed_same_bytes, rank, world, group)))
+        calls.append((f"g{group}_auto", functools.partial(hybrid_auto, rank, world, group)))
+        for stage in (2, 3):
+            calls.append((f"g{group}_delayed_stage{stage}", functools.partial(hybrid_delayed, rank, world, group,
+                                                                             stage)))
     for cache in (2, None):
         calls.append((f"full_counts_stage3_cache{cache}", functools.partial(gpt2_counts, rank, world, None, 3, cache)))
     root = os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-{os.environ['MASTER_PORT']}")
@@ -210,6 +284,7 @@ def run(rank, world, out_path):
                                                                   2, loads, stage)))
     if world == 4:
         calls.append(("cross_save", functools.partial(cross_save, rank, world)))
+        calls.append(("g2_trainer", functools.partial(hybrid_trainer, rank, world, 2)))
     record(rank, out_path, calls)
 
 

@@ -105,6 +105,33 @@ def test_the_planners_link_model_counts_what_the_runtime_moves(res):
         assert (hpz["inside"], hpz["across"]) == (want["G"], want["W"]), (group, hpz, want)
 
 
+def test_offload_auto_plans_for_the_shard_group(res):
+    """offload/stage 'auto' with shard_group_size: the plan made for a G-rank world fits a cap that
+    ZeRO-3 of that world does not (some chunks offloaded), the device holds the model states and
+    rCache predicted (within 10%, as test_auto checks; a plan for W ranks would be off by W/G), and
+    training equals single-process AdamW (3e-5)."""
+    results, world = res
+    for group in GROUPS[world]:
+        got = ok(results, f"g{group}_auto")
+        assert got["shard_group_size"] == group and got["plan_fits"] and got["offloaded_chunks"] > 0, got
+        pred, seen = got["predicted_device_model_bytes"], got["device_model_bytes"]
+        assert abs(pred - seen) <= 0.10 * seen, (group, pred, seen)
+        assert got["diff"] <= TOL["adamw"], (group, got["diff"])
+        assert len(set(got["digests"])) == 1, got["digests"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_delayed_update_with_shard_groups_trains_what_full_sharding_does(res, stage):
+    """The delayed update's background step gets gradients summed across the groups (in the main
+    thread, at the step): after 4 steps (3 delayed) the model is full sharding's, within AdamW's
+    3e-5 (the sums run in another order), every rank the same bytes."""
+    results, world = res
+    for group in GROUPS[world]:
+        got = ok(results, f"g{group}_delayed_stage{stage}")
+        assert got["diff"] <= TOL["adamw"], (group, got["diff"])
+        assert len(set(got["digests"])) == 1 and got["steps"] >= 3, got
+
+
 def test_hpz_with_the_delayed_update_trains_the_same_bytes(res):
     """The delayed update lands in the primary shards after the step's flush: with and without
     hpZ, the same bytes on every rank."""
@@ -131,6 +158,23 @@ def test_checkpoints_reshard_between_hybrid_and_full(res, stage):
     for group, r in got.items():
         assert r["loaded_diff"] == 0.0, (group, r)
         assert r["next_step_diff"] <= TOL["adamw"], (group, r)
+
+
+def test_a_hybrid_checkpoint_exports_the_saved_model(tmp_path_factory):
+    """`zeroshard export` of a checkpoint saved with G = 2 at world 4: every tensor of the model
+    as the engine held it at the save, bit for bit."""
+    got = ok(HYBRID.get(4, tmp_path_factory), "cross_save")["export"]
+    assert got["diff"] == 0.0 and got["keys"] == got["full_keys"], got
+
+
+def test_the_trainer_with_shard_groups_trains_what_full_sharding_trains(tmp_path_factory):
+    """The Hugging Face Trainer with shard_group_size=2 at world 4 (stage 3): the plain zeroshard
+    loop's model with full sharding, within AdamW's 3e-5; save_model opened by from_pretrained
+    holds it bit for bit."""
+    got = ok(HYBRID.get(4, tmp_path_factory), "g2_trainer")
+    assert got["shard_group_size"] == 2 and len(set(got["digests"])) == 1, got
+    assert got["state_vs_plain"] <= TOL["adamw"], got["state_vs_plain"]
+    assert got["save_model_max_diff"] == 0.0, got
 
 
 def test_checkpoints_move_across_world_sizes_and_layouts(tmp_path_factory):

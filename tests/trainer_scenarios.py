@@ -111,11 +111,13 @@ def plain_loop(rank: int, world: int, stage: int, out: str) -> dict:
     return engine.full_state_dict(), engine.stats()["comm_elements"]
 
 
-def trainer_run(rank: int, world: int, stage: int, out: str, resume: str | None = None, **kw) -> dict:
-    """Train with ZeroShardTrainer; returns its final full state dict and what it logged."""
+def trainer_run(rank: int, world: int, stage: int, out: str, resume: str | None = None, config: dict | None = None,
+                **kw) -> dict:
+    """Train with ZeroShardTrainer (zeroshard config: `stage` and `config`); returns its final full
+    state dict and what it logged."""
     ds, x = dataset()
     trainer = trainer_class()(model=tiny_gpt2(), args=arguments(out, world, **kw), train_dataset=ds,
-                              zeroshard_config={"stage": stage})
+                              zeroshard_config={"stage": stage, **(config or {})})
     trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     comm = trainer.engine.stats()["comm_elements"]  # the last optimizer step's

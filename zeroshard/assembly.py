@@ -79,8 +79,9 @@ def plan(module: nn.Module, optimizer, config: Config, example_inputs, world: Wo
     """offload/stage 'auto': profile and plan (its placement per chunk is applied by make_parts)."""
     if not config.planned:
         return Planned(config, None, None)
-    chosen, profile = plan_for(module, example_inputs, as_factory(optimizer), config, world.device, world.comm,
-                               world.world_comm, leaves=world.leaves)
+    # Hybrid sharding: model states are split over the shard group, so that is the world planned for.
+    chosen, profile = plan_for(module, example_inputs, as_factory(optimizer), config, world.device,
+                               world.shards.inside, world.world_comm, leaves=world.leaves)
     return Planned(dataclasses.replace(config, offload=False, **chosen.config()), chosen, profile)
 
 

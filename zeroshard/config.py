@@ -106,7 +106,9 @@ class Config:
         (FSDP2's HSDP, DeepSpeed's MiCS); gradients are reduce-scattered inside a group, then each
         shard all-reduced across the groups. An integer dividing the data-parallel world, 'node'
         for the data-parallel ranks of one node (torchrun's LOCAL_WORLD_SIZE / tensor_parallel),
-        or None (default) for the whole data-parallel world. Stages 1-3.
+        or None (default) for the whole data-parallel world. Stages 1-3. With offload/stage
+        'auto' the planner plans for a shard group (its memory is what one group shards); it does
+        not choose G (`zeroshard plan MODEL --nodes ...` compares layouts across nodes).
     hpz_group_size: hpZ (ZeRO++, shard_groups.py), stage 3: parameters stay sharded over the whole
         data-parallel world, and each chunk's gather leaves every rank a secondary shard (1/G of the
         chunk, G this many consecutive ranks); until the next step, gathers read those over the
@@ -263,12 +265,6 @@ class Config:
             if self.stage == 0:
                 raise ConfigError("zeroshard config: shard_group_size shards model states inside groups of ranks: "
                                   "stage 0 shards nothing (use stage 1, 2 or 3)")
-            if self.planned:
-                raise ConfigError("zeroshard config: shard_group_size is not planned by offload/stage 'auto' yet; "
-                                  "set the stage and offload yourself with it")
-            if self.delay_update_after is not None:
-                raise ConfigError("zeroshard config: shard_group_size with delay_update_after is not supported yet "
-                                  "(the delayed step would have to sum the shard groups' gradients in its thread)")
         if self.hpz_group_size is not None:
             if self.hpz_group_size != "node" and (not is_int(self.hpz_group_size) or self.hpz_group_size < 1):
                 bad("hpz_group_size", "an integer >= 1 (ranks per secondary group), 'node', or None (no hpZ)")

@@ -1,7 +1,7 @@
 """Demo: train a small GPT-2 with zeroshard over local processes on the CPU (no GPU, no download).
 
     torchrun --standalone --nproc_per_node 2 -m zeroshard.demo [--stage 3] [--steps 80]
-    [--shard-group-size node]   (hybrid sharding: see the README's "Beyond one node")
+    [--shard-group-size node | --hpz-group-size node]   (see the README's "Beyond one node")
 
 The data is synthetic and learnable: each sequence repeats a random motif, so a model that learns
 to copy from context drives the loss well below log(vocab). Every few steps rank 0 prints the
@@ -50,6 +50,8 @@ def build(args, stage: int):
         config["cache_chunks"] = args.cache_chunks
     if stage != 0 and args.shard_group_size is not None:
         config["shard_group_size"] = args.shard_group_size
+    if stage == 3 and args.hpz_group_size is not None:
+        config["hpz_group_size"] = args.hpz_group_size
     return zeroshard.initialize(model, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.0),
                                 config=config)
 
@@ -109,6 +111,8 @@ def main(argv=None):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--shard-group-size", type=lambda v: v if v == "node" else int(v), default=None,
                     help="ranks per shard group (hybrid sharding), or 'node'; default: all ranks")
+    ap.add_argument("--hpz-group-size", type=lambda v: v if v == "node" else int(v), default=None,
+                    help="stage 3: ranks per secondary group (hpZ), or 'node'; default: no hpZ")
     ap.add_argument("--memory-plot", default="zeroshard-memory.png",
                     help="PNG of the memory timeline (stage 0 beside --stage); '' for none")
     ap.add_argument("--memory-json", default=None, help="also write rank 0's timeline figures (bytes) here")
@@ -155,8 +159,9 @@ def main(argv=None):
                 bar.set_postfix(loss=f"{mean_loss:.3f}")
                 bar.write(f"step {step:4d}/{args.steps}  loss {mean_loss:.3f}  {tokens / dt:,.0f} tokens/s  "
                           f"model states per rank (MiB): {per_rank}  comm/step: {s['comm_elements'] / 1e6:.2f}M elements"
-                          + (f" ({s['comm_elements_by_link']['across'] / 1e6:.2f}M across shard groups of "
-                             f"{s['shard_group_size']})" if s["shard_group_size"] < world else ""),
+                          + (f" ({s['comm_elements_by_link']['across'] / 1e6:.2f}M across groups of "
+                             f"{s['hpz_group_size'] or s['shard_group_size']})"
+                             if (s["hpz_group_size"] or s["shard_group_size"]) < world else ""),
                           file=sys.stdout)
                 sys.stdout.flush()  # torchrun pipes stdout: lines would otherwise wait for the exit
     bar.close()

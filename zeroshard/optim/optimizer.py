@@ -337,6 +337,8 @@ class ShardedOptimizer:
             if id(c) not in self._delay_staging:
                 self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype).zero_(), None]
         grads = [c.take_host_grad() for c in self.chunks]
+        if self.shards.hybrid:  # summed across the groups here, in chunk order, as step() does
+            grads = [(g, None) for g in self._reduced_across([fold_host_grad(h, p) for h, p in grads])]
         seen = self._grads_seen()
         # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
         hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
