@@ -33,6 +33,7 @@ from .args import (UsageError, bandwidth, int_list, non_negative_size, positive_
                        rate, shape, size)  # (size, bandwidth, rate: public here too)
 from .model import PRESETS
 from .plan import cmd_estimate, cmd_plan
+from .plan_nodes import cmd_plan_nodes
 
 
 # -- the parser -------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--layers", type=positive_int, default=None, help="transformer blocks, for the activations")
     n.add_argument("--hidden", type=positive_int, default=None, help="hidden size, for the activations")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.set_defaults(func=cmd_plan, subparser=p)
+    p.set_defaults(func=lambda args: cmd_plan_nodes(args) if args.nodes is not None else cmd_plan(args), subparser=p)
 
     e = sub.add_parser(
         "export", help="write a checkpoint's model as one safetensors file (a from_pretrained folder for "

@@ -162,9 +162,6 @@ def markdown(head, rows) -> str:
 
 def cmd_plan(args) -> int:
     import torch
-    if args.nodes is not None:
-        from .plan_nodes import cmd_plan_nodes
-        return cmd_plan_nodes(args)
     from ..planning.planner import Planner, Target
     from ..planning.profiler import profile
 

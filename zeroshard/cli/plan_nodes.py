@@ -6,11 +6,11 @@ import json
 
 from .args import UsageError, parameter_count
 from .model import load_model
+from .plan import _params_words, _transformer_shape, markdown
 
 
 def cmd_plan_nodes(args) -> int:
     from ..planning.links import Job, Links, compare
-    from .plan import _params_words, _transformer_shape, markdown
     psi = parameter_count(args.model)
     layers, hidden = args.layers, args.hidden
     source = f"{_params_words(psi)} parameters" if psi is not None else ""
