@@ -110,6 +110,21 @@ def hybrid_trainer(rank, world, group):
     return out
 
 
+def hybrid_lightning(rank, world, group):
+    """Lightning's ZeroShardStrategy (lightning_scenarios.py's fit) with shard groups of `group` at
+    stage 3, against the plain zeroshard loop with full sharding."""
+    import lightning_scenarios as ls
+    root = os.path.join(tempfile.gettempdir(), f"zeroshard-hybrid-lightning-{os.environ['MASTER_PORT']}")
+    trainer, module = ls.fit(rank, world, 3, root, shard_group_size=group)
+    engine = trainer.strategy.engine
+    state = {k.removeprefix("model."): v for k, v in engine.full_state_dict().items()}  # the LightningModule's keys
+    plain, _ = ls.plain_loop(rank, world, 3)
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"state_vs_plain": max_diff(state, plain), "digests": every_rank(digest(state)),
+            "shard_group_size": engine.stats()["shard_group_size"], "steps": trainer.global_step}
+
+
 def hybrid_auto(rank, world, group):
     """offload/stage 'auto' with shard groups of `group`: planned for the group (a cap between
     ZeRO-3 and ZeRO-3 offload of a G-rank world), trains the single-process model."""
@@ -285,6 +300,7 @@ def run(rank, world, out_path):
     if world == 4:
         calls.append(("cross_save", functools.partial(cross_save, rank, world)))
         calls.append(("g2_trainer", functools.partial(hybrid_trainer, rank, world, 2)))
+        calls.append(("g2_lightning", functools.partial(hybrid_lightning, rank, world, 2)))
     record(rank, out_path, calls)
 
 

@@ -177,6 +177,14 @@ def test_the_trainer_with_shard_groups_trains_what_full_sharding_trains(tmp_path
     assert got["save_model_max_diff"] == 0.0, got
 
 
+def test_lightning_with_shard_groups_trains_what_full_sharding_trains(tmp_path_factory):
+    """Lightning's ZeroShardStrategy(shard_group_size=2) at world 4, stage 3, 10 optimizer steps:
+    the plain zeroshard loop's model with full sharding, within AdamW's 3e-5."""
+    got = ok(HYBRID.get(4, tmp_path_factory), "g2_lightning")
+    assert got["shard_group_size"] == 2 and got["steps"] == 10 and len(set(got["digests"])) == 1, got
+    assert got["state_vs_plain"] <= TOL["adamw"], got["state_vs_plain"]
+
+
 def test_checkpoints_move_across_world_sizes_and_layouts(tmp_path_factory):
     """Saved at world 4 with G = 2 (stage 3, AdamW); loaded at world 3 with full sharding, and at
     world 6 with G = 3 and with hpZ over groups of 2: the saved model bit for bit on every rank,
