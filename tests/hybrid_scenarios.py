@@ -307,15 +307,17 @@ def run(rank, world, out_path):
 RESULTS = WorldResults(run, "hybrid", worlds=(4, 6))
 
 
-def tp_hybrid(rank, world, stage, kind):
-    """A Llama split over TP 2 (tp_scenarios.py), ZeRO over shard groups of 2 replicated twice:
-    TP 2 x shard 2 x replicate 2 at world 8."""
+def tp_hybrid(rank, world, stage, kind, layout):
+    """A Llama split over TP 2 (tp_scenarios.py), ZeRO over shard groups of 2 replicated twice
+    (TP 2 x shard 2 x replicate 2 at world 8), or (`layout` hpz_group_size) over the 4
+    data-parallel ranks with secondary groups of 2."""
     import zeroshard
     import tp_scenarios as tp
     mesh = zeroshard.device_mesh(2)
     engine = zeroshard.initialize(tp.split_llama(mesh), tp.make_optimizer(kind),
                                   config={"stage": stage, "tensor_parallel": 2, "chunk_size": 5000,
-                                          "shard_group_size": 2, "collective_timeout_s": 120})
+                                          layout: 2, "collective_timeout_s": 120,
+                                          **({"cache_chunks": 2} if stage == 3 else {})})
     per = tp.BATCH // mesh["dp"].size()
     dp_rank = mesh["dp"].get_local_rank()
     for x in tp.data():
@@ -325,11 +327,12 @@ def tp_hybrid(rank, world, stage, kind):
     s = engine.stats()
     full = engine.full_state_dict()
     return {"diff": max_diff(full, tp.reference(kind)), "digests": every_rank(digest(full)),
-            **{k: s[k] for k in ("comm_elements_by_link", "padded_elements", "shard_group_size", "world_size",
-                                 "tensor_parallel")}}
+            **{k: s[k] for k in ("comm_elements_by_link", "padded_elements", "shard_group_size", "hpz_group_size",
+                                 "world_size", "tensor_parallel")}}
 
 
-TP_CASES = {"tp2_stage2_sgd": (2, "sgd"), "tp2_stage3_adamw": (3, "adamw")}
+TP_CASES = {"tp2_stage2_sgd": (2, "sgd", "shard_group_size"), "tp2_stage3_adamw": (3, "adamw", "shard_group_size"),
+            "tp2_stage3_sgd_hpz": (3, "sgd", "hpz_group_size")}
 
 
 def run_tp(rank, world, out_path):
