@@ -27,6 +27,11 @@ PARITY = {
     "stage3_sgd_offload_params_cache2": (3, "sgd", {"offload_optimizer": True, "offload_params": True,
                                                     "cache_chunks": 2}),
     "stage2_adamw_accum2": (2, "adamw", {"gradient_accumulation_steps": 2}),
+    # the optimizer split across the replica groups (shard_optimizer_across_replicas)
+    "stage1_sgd_split": (1, "sgd", {"shard_optimizer_across_replicas": True}),
+    "stage2_sgd_split": (2, "sgd", {"shard_optimizer_across_replicas": True}),
+    "stage2_adamw_split_accum2": (2, "adamw", {"shard_optimizer_across_replicas": True,
+                                               "gradient_accumulation_steps": 2}),
 }
 # hpZ (config hpz_group_size), stage 3: name -> (optimizer, extra config). Small rCaches make the
 # backward gather again, from the secondary shards; accumulation makes later forwards read them too.
@@ -145,12 +150,12 @@ def hybrid_auto(rank, world, group):
             "device_model_bytes": s["device_model_bytes"], "shard_group_size": s["shard_group_size"]}
 
 
-def gpt2_counts(rank, world, group, stage, cache, key="shard_group_size"):
+def gpt2_counts(rank, world, group, stage, cache, key="shard_group_size", extra=None):
     """One step of a GPT-2 whose parameters all train: the step's per-link element counts and
     model-state bytes."""
     import zeroshard
     data = batches(2, world, 1)
-    cfg = {"stage": stage, key: group, "chunk_size": 20000}
+    cfg = {"stage": stage, key: group, "chunk_size": 20000, **(extra or {})}
     if cache is not None:
         cfg["cache_chunks"] = cache
     engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
@@ -164,15 +169,20 @@ def gpt2_counts(rank, world, group, stage, cache, key="shard_group_size"):
                               "model_state_bytes", "model_state_bytes_by_kind")}
 
 
-def resharded(rank, world, root, saved_group, load_groups, stage):
-    """Train 2 steps at `saved_group` and save; load the checkpoint at each of `load_groups` (None:
-    full sharding) and compare the full model with the saved one bit for bit, then train a step
-    from both and compare again."""
+SPLIT = {"shard_optimizer_across_replicas": True}
+
+
+def resharded(rank, world, root, saved_group, load_groups, stage, saved_extra=None):
+    """Train 2 steps at `saved_group` (and `saved_extra` config) and save; load the checkpoint at
+    each of `load_groups` (None: full sharding; (G, extra)) and compare the full model with the
+    saved one bit for bit, then train a step from both and compare again."""
     import zeroshard
     data = quirky_data(3, world)
 
-    def make(group):
-        cfg = {"stage": stage, "chunk_size": 700}
+    def make(group, extra=None):
+        if isinstance(group, tuple):
+            group, extra = group
+        cfg = {"stage": stage, "chunk_size": 700, **(extra or {})}
         if group is not None:
             cfg["shard_group_size"] = group
         return zeroshard.initialize(Quirky(), make_adamw, cfg)
@@ -181,7 +191,7 @@ def resharded(rank, world, root, saved_group, load_groups, stage):
         engine.backward(quirky_loss(engine, data[k, 0, rank]))
         engine.step()
 
-    src = make(saved_group)
+    src = make(saved_group, saved_extra)
     for k in range(2):
         step(src, k)
     src.save_checkpoint(root, tag="hybrid")
@@ -194,7 +204,8 @@ def resharded(rank, world, root, saved_group, load_groups, stage):
         dst.load_checkpoint(root, tag="hybrid")
         loaded = dst.full_state_dict()
         step(dst, 2)
-        out[str(group)] = {"loaded_diff": max_diff(loaded, saved), "next_step_diff": max_diff(dst.full_state_dict(),
+        out[str(group if not isinstance(group, tuple) else group[0]) + ("_split" if isinstance(group, tuple) else "")] = \
+            {"loaded_diff": max_diff(loaded, saved), "next_step_diff": max_diff(dst.full_state_dict(),
                                                                                              after)}
     return out
 
@@ -287,6 +298,9 @@ def run(rank, world, out_path):
                                                                                  cache, "hpz_group_size")))
         calls.append((f"g{group}_hpz_delayed", functools.partial(hpz_delayed_same_bytes, rank, world, group)))
         calls.append((f"g{group}_auto", functools.partial(hybrid_auto, rank, world, group)))
+        for stage in (1, 2):
+            calls.append((f"g{group}_split_counts_stage{stage}", functools.partial(
+                gpt2_counts, rank, world, group, stage, None, extra=SPLIT)))
         for stage in (2, 3):
             calls.append((f"g{group}_delayed_stage{stage}", functools.partial(hybrid_delayed, rank, world, group,
                                                                              stage)))
@@ -297,6 +311,8 @@ def run(rank, world, out_path):
     for stage in (2, 3):
         calls.append((f"reshard_stage{stage}", functools.partial(resharded, rank, world, os.path.join(root, str(stage)),
                                                                   2, loads, stage)))
+    calls.append(("reshard_split_stage2", functools.partial(resharded, rank, world, os.path.join(root, "split"), 2,
+                                                            [None, (2, SPLIT)], 2, SPLIT)))
     if world == 4:
         calls.append(("cross_save", functools.partial(cross_save, rank, world)))
         calls.append(("g2_trainer", functools.partial(hybrid_trainer, rank, world, 2)))

@@ -141,6 +141,22 @@ def test_hpz_with_the_delayed_update_trains_the_same_bytes(res):
         assert all(d == digests[0] for d in digests) and digests[0][0] == digests[0][1], digests
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_optimizer_split_across_replicas_keeps_1_over_w(res, stage):
+    """shard_optimizer_across_replicas: the same traffic as hybrid sharding (inside 2 Psi, across
+    2 Psi/G: a reduce-scatter and an all-gather of each 1/G shard instead of its all-reduce), and
+    the optimizer's bytes over all W ranks: fp32 SGD with momentum, 4 + 4 + 4/W bytes per
+    parameter at stage 1, 4 + 4/G + 4/W at stage 2 (the momentum, the master being the shard)."""
+    results, world = res
+    for group in GROUPS[world]:
+        s = ok(results, f"g{group}_split_counts_stage{stage}")
+        psi, link = s["padded_elements"], s["comm_elements_by_link"]
+        assert link == {"inside": 2 * psi, "across": 2 * psi // group}, (group, link, psi)
+        assert s["model_state_bytes_by_kind"]["optimizer"] == 4 * psi // world, (group, s["model_state_bytes_by_kind"])
+        want = {1: 8 + 4 / world, 2: 4 + 4 / group + 4 / world}[stage]
+        assert s["model_state_bytes"] == pytest.approx(psi * want, rel=1e-12), (group, s["model_state_bytes"], psi * want)
+
+
 def test_full_sharding_counts_everything_inside(res):
     results, world = res
     s = ok(results, "full_counts_stage3_cache2")
@@ -201,6 +217,17 @@ def test_checkpoints_move_across_world_sizes_and_layouts(tmp_path_factory):
                 assert got["next_step_diff"] <= TOL["adamw"], (world, name, got["next_step_diff"])
     finally:
         shutil.rmtree(cross_root(os.getpid()), ignore_errors=True)
+
+
+def test_a_checkpoint_of_the_split_optimizer_reshards(res):
+    """Saved with G = 2 and the optimizer split across the replicas (every rank writes its part):
+    loaded at full sharding and split again, the same model bit for bit, the next step within
+    3e-5."""
+    results, world = res
+    got = ok(results, "reshard_split_stage2")
+    assert sorted(got) == ["2_split", "None"], got
+    for name, r in got.items():
+        assert r["loaded_diff"] == 0.0 and r["next_step_diff"] <= TOL["adamw"], (name, r)
 
 
 @pytest.fixture(scope="module")

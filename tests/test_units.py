@@ -34,6 +34,17 @@ def test_shard_group_size_config_refuses_what_it_cannot_do():
     assert load_config({"shard_group_size": 2, "offload": "auto", "stage": "auto"}).planned
 
 
+def test_shard_optimizer_across_replicas_refuses_what_it_cannot_do():
+    for combo, words in (({}, "set shard_group_size"), ({"shard_group_size": 2, "stage": 3}, "stage 1 or 2"),
+                         ({"shard_group_size": 2, "offload_optimizer": True}, "stay on the device"),
+                         ({"shard_group_size": 2, "offload": "auto"}, "stay on the device")):
+        with pytest.raises(zeroshard.ConfigError, match=words):
+            load_config({"shard_optimizer_across_replicas": True, **combo})
+    with pytest.raises(zeroshard.ConfigError, match="true or false"):
+        load_config({"shard_optimizer_across_replicas": "yes", "shard_group_size": 2})
+    assert load_config({"shard_optimizer_across_replicas": True, "shard_group_size": 2}).shard_optimizer_across_replicas
+
+
 def test_hpz_group_size_config_refuses_what_it_cannot_do():
     for bad in (0, "gpu", 2.0):
         with pytest.raises(zeroshard.ConfigError, match="hpz_group_size"):

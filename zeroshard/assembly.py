@@ -63,7 +63,8 @@ def join_world(module: nn.Module, config: Config, device: torch.device | None) -
     size = resolve_group_size(config.shard_group_size, comm.world, config.tensor_parallel)
     secondary = None if config.hpz_group_size is None else \
         resolve_group_size(config.hpz_group_size, comm.world, config.tensor_parallel, "hpz_group_size")
-    shards = ShardGroups(comm, size, config.tensor_parallel, secondary_size=secondary)
+    shards = ShardGroups(comm, size, config.tensor_parallel, secondary_size=secondary,
+                         split_optimizer=config.shard_optimizer_across_replicas)
     return World(device, tp, comm, shards, tp.world_comm if tp else comm, Transfer(device),
                  leaf_modules(module, config.leaf_modules))
 

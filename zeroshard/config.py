@@ -109,6 +109,11 @@ class Config:
         or None (default) for the whole data-parallel world. Stages 1-3. With offload/stage
         'auto' the planner plans for a shard group (its memory is what one group shards); it does
         not choose G (`zeroshard plan MODEL --nodes ...` compares layouts across nodes).
+    shard_optimizer_across_replicas: with shard_group_size below the data-parallel world, stages
+        1-2: each rank's optimizer steps 1/R of its shard (R = world / shard_group_size), so the
+        fp32 masters and optimizer states are split over all W ranks (ZeRO-1 over the replicas):
+        the step reduce-scatters each gradient shard across the replica group and all-gathers the
+        update back. The optimizer on the device, no delayed update, no 'auto'.
     hpz_group_size: hpZ (ZeRO++, shard_groups.py), stage 3: parameters stay sharded over the whole
         data-parallel world, and each chunk's gather leaves every rank a secondary shard (1/G of the
         chunk, G this many consecutive ranks); until the next step, gathers read those over the
@@ -150,6 +155,7 @@ class Config:
     allow_nonfinite_weights: bool = False
     shard_group_size: int | str | None = None
     hpz_group_size: int | str | None = None
+    shard_optimizer_across_replicas: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -265,6 +271,15 @@ class Config:
             if self.stage == 0:
                 raise ConfigError("zeroshard config: shard_group_size shards model states inside groups of ranks: "
                                   "stage 0 shards nothing (use stage 1, 2 or 3)")
+        if self.shard_optimizer_across_replicas is not False:
+            if not isinstance(self.shard_optimizer_across_replicas, bool):
+                bad("shard_optimizer_across_replicas", "true or false")
+            why = ("it splits the optimizer of hybrid sharding: set shard_group_size" if self.shard_group_size is None
+                   else f"it needs stage 1 or 2 (got {self.stage})" if self.stage not in (1, 2)
+                   else "the optimizer must stay on the device (not offloaded, not 'auto', no delayed update)"
+                   if self.offload_optimizer or self.offload or self.delay_update_after is not None else None)
+            if why:
+                raise ConfigError(f"zeroshard config: shard_optimizer_across_replicas: {why}")
         if self.hpz_group_size is not None:
             if self.hpz_group_size != "node" and (not is_int(self.hpz_group_size) or self.hpz_group_size < 1):
                 bad("hpz_group_size", "an integer >= 1 (ranks per secondary group), 'node', or None (no hpZ)")

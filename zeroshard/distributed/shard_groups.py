@@ -27,6 +27,12 @@ shards' memory (the chunk's size / G' per chunk, kept from the first gather on) 
 forward's gather and the reduce-scatter over the whole world: per step, across 2Psi, inside Psi
 (docs/communication.md), against full sharding's 3Psi across.
 
+With `shard_optimizer_across_replicas` (stages 1-2), each rank's optimizer steps 1/R of its shard
+(ZeRO-1 over the replicas: 1/W of the fp32 masters and optimizer states per rank, as Megatron's
+HFSDP does): the step reduce-scatters each gradient shard across the replica group instead of
+all-reducing it, and all-gathers the updated parts across before the shard group's gather; the
+same 2Psi/G cross the groups.
+
 `ShardGroups` is what the chunks, the rCache, the reducer and the layout talk to: the Comm calls
 they make, each routed to the group it belongs on. Sizes and counts are in elements, counted per
 link as the ZeRO paper counts volume (docs/communication.md has the formulas): `inside` is what
@@ -112,7 +118,8 @@ class ShardGroups:
     `secondary_rank` its place there; None and 0 otherwise.
     """
 
-    def __init__(self, dp: Comm, size: int, tensor_parallel: int = 1, secondary_size: int | None = None):
+    def __init__(self, dp: Comm, size: int, tensor_parallel: int = 1, secondary_size: int | None = None,
+                 split_optimizer: bool = False):
         self.dp = dp
         self.size = size
         self.replicas = dp.world // size
@@ -123,6 +130,8 @@ class ShardGroups:
         elif secondary_size is not None and secondary_size < dp.world:
             self.secondary, = _own_groups(dp.device, [_consecutive(secondary_size, tensor_parallel)])
         self.rank, self.world = self.inside.rank, self.inside.world
+        # Hybrid, config shard_optimizer_across_replicas: each rank steps 1/R of its shard.
+        self.split = split_optimizer and self.hybrid
         self.secondary_rank = self.secondary.rank if self.secondary is not None else 0
         self.secondary_size = self.secondary.world if self.secondary is not None else 1
         self.device = dp.device
@@ -173,6 +182,27 @@ class ShardGroups:
         """In place: this rank's shard of `full` <- the sum over the shard group of that shard
         (hybrid: the other groups' sums are added at the step, `all_reduce_across`)."""
         return self.inside.reduce_scatter_sum(full, async_op=async_op, tag=tag)
+
+    @property
+    def optimizer_split(self) -> tuple[int, int]:
+        """(this rank's part, parts) of its shard that its optimizer steps: (replica, replicas)
+        with the optimizer split across the replica groups, else (0, 1)."""
+        return (self.replica, self.replicas) if self.split else (0, 1)
+
+    def all_gather_owned(self, full: torch.Tensor, async_op: bool = False):
+        """In place: the whole chunk in `full` from every rank's owned range, already in place in
+        it. Split optimizer: first the shard from its replicas' parts (across, blocking, every rank
+        in chunk order), then the chunk from the shards (inside)."""
+        shard = full.view(self.world, -1)[self.rank]
+        if self.split:
+            self.across.all_gather(shard, shard.view(self.replicas, -1)[self.replica])
+        return self.inside.all_gather(full, shard, async_op=async_op)
+
+    def reduce_scatter_across(self, shard: torch.Tensor) -> torch.Tensor:
+        """Split optimizer, at the step: this rank's part of its reduced gradient shard summed over
+        its replica group (in place in `shard`; returned as a view)."""
+        self.across.reduce_scatter_sum(shard)
+        return shard.view(self.replicas, -1)[self.replica]
 
     def all_reduce_across(self, shard: torch.Tensor) -> None:
         """Hybrid, at the step: in place, this rank's reduced gradient shard <- its sum over the

@@ -130,7 +130,7 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        applied, overflow, norm = self._update(self._reduced_across([c.owned_grad() for c in self.chunks]),
+        applied, overflow, norm = self._update(self._reduced_across([c.reduced_grad() for c in self.chunks]),
                                                self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
                                                self._copy_target, self._publish)
         if applied:
@@ -159,8 +159,12 @@ class ShardedOptimizer:
             return grads
         for i, (c, g) in enumerate(zip(self.chunks, grads)):
             if g is None:  # no backward reached it here; a replica's may have: zeros join the sum
-                g = grads[i] = torch.zeros(c.master.numel(), dtype=c.grad_dtype, device=c.master.device)
-            self.shards.all_reduce_across(g)
+                n = c.reduced_range[1] - c.reduced_range[0]
+                g = grads[i] = torch.zeros(n, dtype=c.grad_dtype, device=c.master.device)
+            if self.shards.split:  # this rank steps its part only
+                grads[i] = self.shards.reduce_scatter_across(g)
+            else:
+                self.shards.all_reduce_across(g)
         return grads
 
     def _inv_scale(self) -> float:
@@ -185,7 +189,7 @@ class ShardedOptimizer:
             measure_norm=self.measure_norm,
             # Stage 0: one rank holds the whole gradient. Hybrid: the other shard groups repeat the
             # first's reduced shards, which would count once per group.
-            norm_here=comm.rank == 0 if self.stage == 0 else self.shards.replica == 0)
+            norm_here=comm.rank == 0 if self.stage == 0 else self.shards.replica == 0 or self.shards.split)
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
@@ -325,7 +329,7 @@ class ShardedOptimizer:
         self.comm.agree(PUBLISH)
         for c in self.chunks:
             c.await_arrival()  # a delayed update's upload into the shard the gather reads
-            c.expect_arrival(self.shards.all_gather(c.full, c.shard, async_op=True))
+            c.expect_arrival(self.shards.all_gather_owned(c.full, async_op=True))
 
     # -- the delayed update (DPU) -----------------------------------------------------------------
     def _launch(self) -> None:

@@ -48,7 +48,8 @@ class Chunk:
     def __init__(self, index: int, slots: list[Slot], *, stage: int, rank: int, world: int,
                  dtype: torch.dtype, device: torch.device, trainable: bool, fill: "Fill",
                  comm=None, placement: Placement = Placement(), transfer: Transfer | None = None,
-                 grad_dtype: torch.dtype | None = None, secondary: tuple[int, int] = (0, 1)):
+                 grad_dtype: torch.dtype | None = None, secondary: tuple[int, int] = (0, 1),
+                 split: tuple[int, int] = (0, 1)):
         self.index = index
         self.slots = slots
         self.stage = stage
@@ -59,11 +60,15 @@ class Chunk:
         self.placement = placement
         self.transfer = transfer or Transfer(device)
         self.numel = slots[-1].offset + slots[-1].numel
-        self.padded_numel = padded_numel(self.numel, world)
+        self.padded_numel = padded_numel(self.numel, world * split[1])
         self.shard_numel = self.padded_numel // world
         lo = rank * self.shard_numel
         self.shard_range = (lo, lo + self.shard_numel)
-        self.owned_range = (0, self.padded_numel) if stage == 0 else self.shard_range
+        self.reduced_range = (0, self.padded_numel) if stage == 0 else self.shard_range  # its gradient
+        self.owned_range = self.reduced_range  # what this rank's optimizer steps
+        if split[1] > 1:  # split = (this rank's replica, replicas): 1/R of the shard (shard_groups.py)
+            m = self.shard_numel // split[1]
+            self.owned_range = (lo + split[0] * m, lo + (split[0] + 1) * m)
 
         # Storage, zeroed (the padding stays zero), then filled with the initial values.
         if stage == 3:
@@ -333,7 +338,7 @@ class Chunk:
         if self.grad_state is not GradState.REDUCING:  # nothing reduced (stages 0-1 between boundaries)
             return
         self.grad_state = GradState.REDUCED
-        lo, hi = self.owned_range
+        lo, hi = self.reduced_range
         if self.stage <= 1:
             if stashed is not None:
                 stashed[lo:hi].add_(self.grad_full[lo:hi])
@@ -374,15 +379,16 @@ class Chunk:
         self.host_grad = self.grad_in_flight = None
         return out
 
-    def owned_grad(self) -> torch.Tensor | None:
-        """The reduced gradient of the owned range (compute dtype), or None before any backward.
-        With the optimizer on the host it is a host tensor."""
+    def reduced_grad(self) -> torch.Tensor | None:
+        """The reduced gradient of the reduced range (compute dtype; the owned range but where the
+        optimizer is split across replicas), or None before any backward. With the optimizer on
+        the host it is a host tensor."""
         if self.placement.optimizer_on_host:
             self._fold_host_grad()
             return self.host_grad
         if self.stage >= 2:
             return self.grad_shard
-        lo, hi = self.owned_range
+        lo, hi = self.reduced_range
         return self.grad_full[lo:hi]
 
     def abandon_reduce(self) -> None:

@@ -85,7 +85,8 @@ class ChunkLayout:
                       dtype=self.dtype, device=self.device, trainable=group, fill=fill,
                       comm=self.comm if broadcast else None, placement=self.placement_of(len(chunks)),
                       transfer=self.transfer, grad_dtype=self.grad_dtype,
-                      secondary=(self.comm.secondary_rank, self.comm.secondary_size))
+                      secondary=(self.comm.secondary_rank, self.comm.secondary_size),
+                      split=self.comm.optimizer_split)
             chunks.append(c)
             for s in slots:
                 self.slot_of[id(s.param)] = (c, s)
@@ -210,7 +211,8 @@ class ChunkLayout:
         if (lo, hi) == (0, c.padded_numel):
             return src.float()
         full = torch.empty(c.padded_numel, dtype=src.dtype, device=self.device)
-        self.comm.all_gather(full, src)
+        full[lo:hi].copy_(src)
+        self.comm.all_gather_owned(full)
         return full.float()
 
     @torch.no_grad()

@@ -171,12 +171,14 @@ def runs(c, lo: int, hi: int):
 def _save_state(view) -> dict:
     """This rank's DCP state: the pieces in its shard range (at stage 0 too, so ranks split the
     writing), scalar optimizer states from the rank holding a parameter's first element, its RNG.
-    Hybrid sharding: the first shard group writes the pieces; the others hold the same values."""
+    Hybrid sharding: the first shard group writes the pieces; the others hold the same values
+    (with the optimizer split across the replicas, every rank writes its owned range)."""
     out = {}
     opt = view.optim.optimizer
     buffers = describe_model(view)["buffers"]  # on every rank: it may raise, and must raise everywhere
-    for c in (view.chunks if view.shards.replica == 0 else ()):
-        lo, hi = c.shard_range
+    split = view.shards.split
+    for c in (view.chunks if view.shards.replica == 0 or split else ()):
+        lo, hi = c.owned_range if split else c.shard_range
         base = c.owned_range[0]
         # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
         src = c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()

@@ -215,7 +215,7 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
                 if not c.master_is_shard:
                     c.shard.copy_(c.master)
             if view.stage in (1, 2):
-                shards.all_gather(c.full, c.shard)
+                shards.all_gather_owned(c.full)
     opt = view.optim.optimizer
     current = opt.state_dict()["param_groups"]
     if groups is None:
