@@ -38,8 +38,8 @@ from .optim.cpu_adam import CPUAdamW
 from .engine import Engine
 from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
                      GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError, PeerLostError,
-                     PeerLostInCheckpointError, ShardedParameterError, UninitializedTensorError, WeightsError,
-                     ZeroShardError)
+                     PeerLostInCheckpointError, ShardedParameterError, TierFileError, UninitializedTensorError,
+                     WeightsError, ZeroShardError)
 from .planning.profiler import Profile, profile
 from .distributed.tensor_parallel import device_mesh
 
@@ -72,7 +72,7 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
            "GradientsInChunksError", "ModuleCopyError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
-           "PeerLostError", "PeerLostInCheckpointError", "UninitializedTensorError", "WeightsError",
+           "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError", "WeightsError",
            "ConfigError", "ZeroShardError"]
 
 

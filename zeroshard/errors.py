@@ -71,6 +71,12 @@ class CheckpointError(ZeroShardError, RuntimeError):
     """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
 
 
+class TierFileError(ZeroShardError, OSError):
+    """The disk tier's file cannot be used: its directory is not writable or is another job's, the
+    disk is full, or a record read back is not the one written (the file was changed, truncated
+    or removed under the job). The message names the file and the record."""
+
+
 class InternalError(ZeroShardError, RuntimeError):
     """zeroshard broke one of its own invariants (a chunk or the engine in a state its next step
     does not allow): a bug in zeroshard, to be reported. Checked explicitly, so `python -O` keeps
