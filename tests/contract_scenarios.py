@@ -11,6 +11,7 @@ import tempfile
 import torch
 
 import zeroshard
+from zeroshard.telemetry.stats import chunk_state_bytes
 from models import batches, inputs, make_adamw, make_sgd, max_diff, parity, tiny_gpt2
 from scenarios import _gather, run_all
 
@@ -505,7 +506,7 @@ def precision_policy(rank, world, precision, stage, extra=None):
     return {"diff": max_diff(sd, ref.state_dict()) if world == 1 else None, "steps": engine.steps,
             "finite": all(bool(torch.isfinite(v.float()).all()) for v in sd.values()),
             "buffer_dtype": str(engine.module.shift.dtype),
-            "grad_bytes": sum(b for c in engine.chunks for kind, _, b in c.state_bytes() if kind == "grads")}
+            "grad_bytes": sum(b for c in engine.chunks for kind, _, b in chunk_state_bytes(c) if kind == "grads")}
 
 
 for _precision in ("bf16", "fp16"):

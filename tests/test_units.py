@@ -11,6 +11,7 @@ from zeroshard.runtime.chunks import Chunk, ChunkState
 from zeroshard.runtime.packing import ALIGN, Slot, auto_chunk_size, pack
 from zeroshard.distributed.collectives import Comm
 from zeroshard.config import Config, load_config
+from zeroshard.telemetry.stats import chunk_state_bytes
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_chunk_stage12_params_are_views_and_fp32_master_aliases_storage():
     lo, _ = c.owned_range
     assert c.master.data_ptr() == c.full[lo:].data_ptr()  # fp32: no separate master copy
     c16, _ = _chunk(stage=2, rank=0, world=2, dtype=torch.bfloat16)
-    assert c16.master.dtype == torch.float32 and ("master", False, c16.shard_numel * 4) in c16.state_bytes()
+    assert c16.master.dtype == torch.float32 and ("master", False, c16.shard_numel * 4) in chunk_state_bytes(c16)
 
 
 # -- cache ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """What every rank must agree on before a step: which parameters got a gradient anywhere, whether
-any gradient is not finite, and the global gradient norm, in one small all-reduce."""
+any gradient is not finite, and the global gradient norm, in one small all-reduce; and, with
+hybrid sharding, the gradient shards summed across the shard groups (`sum_across`)."""
 from __future__ import annotations
 
 import torch
@@ -37,3 +38,21 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
         present.append([v > 0 for v in got[k:k + len(c.slots)]])
         k += len(c.slots)
     return present, got[-2] > 0, got[-1]
+
+
+def sum_across(shards, chunks, grads: list) -> list:
+    """Hybrid sharding, at the step: each chunk's reduced gradient shard (`grads`, in chunk order)
+    summed over the other shard groups (ShardGroups), in chunk order on every rank
+    (distributed/shard_groups.py says why at the step). With the optimizer split across the
+    replicas, each becomes this rank's part, reduce-scattered. Returns the list, changed in place."""
+    if not shards.hybrid:
+        return grads
+    for i, (c, g) in enumerate(zip(chunks, grads)):
+        if g is None:  # no backward reached it here; a replica's may have: zeros join the sum
+            n = c.reduced_range[1] - c.reduced_range[0]
+            g = grads[i] = torch.zeros(n, dtype=c.grad_dtype, device=c.master.device)
+        if shards.split:  # this rank steps its part only
+            grads[i] = shards.reduce_scatter_across(g)
+        else:
+            shards.all_reduce_across(g)
+    return grads

@@ -42,7 +42,7 @@ import torch
 
 from ..runtime.offload import fold_host_grad
 from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
-from .grad_agreement import agree_grads
+from .grad_agreement import agree_grads, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
@@ -130,7 +130,7 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        applied, overflow, norm = self._update(self._reduced_across([c.reduced_grad() for c in self.chunks]),
+        applied, overflow, norm = self._update(sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks]),
                                                self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
                                                self._copy_target, self._publish)
         if applied:
@@ -151,21 +151,6 @@ class ShardedOptimizer:
             self.scaler.update(overflow)
         self.skipped_steps += int(overflow)
         self.last_grad_norm = norm if applied else None
-
-    def _reduced_across(self, grads: list) -> list:
-        """Hybrid sharding: each chunk's reduced shard summed over the other shard groups, in chunk
-        order on every rank (shard_groups.py says why at the step)."""
-        if not self.shards.hybrid:
-            return grads
-        for i, (c, g) in enumerate(zip(self.chunks, grads)):
-            if g is None:  # no backward reached it here; a replica's may have: zeros join the sum
-                n = c.reduced_range[1] - c.reduced_range[0]
-                g = grads[i] = torch.zeros(n, dtype=c.grad_dtype, device=c.master.device)
-            if self.shards.split:  # this rank steps its part only
-                grads[i] = self.shards.reduce_scatter_across(g)
-            else:
-                self.shards.all_reduce_across(g)
-        return grads
 
     def _inv_scale(self) -> float:
         scale = self.scaler.grads_scale if self.scaler else 1.0
@@ -342,7 +327,7 @@ class ShardedOptimizer:
                 self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype).zero_(), None]
         grads = [c.take_host_grad() for c in self.chunks]
         if self.shards.hybrid:  # summed across the groups here, in chunk order, as step() does
-            grads = [(g, None) for g in self._reduced_across([fold_host_grad(h, p) for h, p in grads])]
+            grads = [(g, None) for g in sum_across(self.shards, self.chunks, [fold_host_grad(h, p) for h, p in grads])]
         seen = self._grads_seen()
         # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
         hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}

@@ -8,7 +8,7 @@ Per parameter, in bytes (p, g, k: docs/vocabulary.md):
   16-bit training, the fp32 master copy (4). Mixed-precision Adam has k = 12, as in the paper.
 
 What each stage keeps per rank, Psi parameters over N ranks (zeroshard's runtime keeps exactly this,
-padding aside; `Chunk.state_bytes` counts it):
+padding aside; `telemetry.stats.chunk_state_bytes` counts it):
 - stage 0: (p + g + k) Psi; stage 1: (p + g) Psi + k Psi / N; stage 2: p Psi + (g + k) Psi / N;
   stage 3: (p + g + k) Psi / N.
 - with tensor (model) parallelism of degree MP beside the N data-parallel ranks, each rank holds

@@ -441,23 +441,3 @@ class Chunk:
             self.grad_full = None
         self.grads_seen = 0
         self.grad_state = GradState.ACCUMULATING
-
-    # -- accounting ----------------------------------------------------------------------------
-    def state_bytes(self) -> list[tuple[str, bool, int]]:
-        """Persistent bytes this chunk holds on this rank, as (kind, on host, bytes) with kind
-        'params', 'secondary' (hpZ), 'grads' or 'master' (the optimizer's own states are counted
-        by the engine)."""
-        el = torch.tensor([], dtype=self.dtype).element_size()
-        gel = torch.tensor([], dtype=self.grad_dtype).element_size()
-        out = [("params", self.stage == 3 and self.placement.params_on_host,
-                (self.shard_numel if self.stage == 3 else self.padded_numel) * el)]
-        if self.secondary is not None:
-            out.append(("secondary", False, self.secondary.nbytes))
-        if self.trainable:
-            if self.stage <= 1:  # the full gradient stays on the device for accumulation
-                out.append(("grads", False, self.padded_numel * gel))
-            if self.stage >= 2 or self.placement.optimizer_on_host:
-                out.append(("grads", self.placement.optimizer_on_host, self.shard_numel * gel))
-        if self.master is not None and not self.master_is_shard:
-            out.append(("master", self.placement.optimizer_on_host, self.master.numel() * 4))
-        return out

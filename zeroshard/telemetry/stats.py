@@ -81,6 +81,25 @@ class StepMeter:
         return out
 
 
+def chunk_state_bytes(c) -> list[tuple[str, bool, int]]:
+    """Persistent bytes chunk `c` holds on this rank, as (kind, on host, bytes) with kind 'params',
+    'secondary' (hpZ), 'grads' or 'master' (the optimizer's own states are counted apart)."""
+    el = torch.tensor([], dtype=c.dtype).element_size()
+    gel = torch.tensor([], dtype=c.grad_dtype).element_size()
+    out = [("params", c.stage == 3 and c.placement.params_on_host,
+            (c.shard_numel if c.stage == 3 else c.padded_numel) * el)]
+    if c.secondary is not None:
+        out.append(("secondary", False, c.secondary.nbytes))
+    if c.trainable:
+        if c.stage <= 1:  # the full gradient stays on the device for accumulation
+            out.append(("grads", False, c.padded_numel * gel))
+        if c.stage >= 2 or c.placement.optimizer_on_host:
+            out.append(("grads", c.placement.optimizer_on_host, c.shard_numel * gel))
+    if c.master is not None and not c.master_is_shard:
+        out.append(("master", c.placement.optimizer_on_host, c.master.numel() * 4))
+    return out
+
+
 def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes of model states this rank keeps between steps, by kind ('params', 'grads', 'optimizer':
     fp32 masters and the optimizer's states; with hpZ, 'secondary': the secondary shards) and by
@@ -91,7 +110,7 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
         by_kind["secondary"] = 0
     by_device = {"device": opt_bytes[False], "host": opt_bytes[True]}
     for c in chunks:
-        for kind, on_host, n in c.state_bytes():
+        for kind, on_host, n in chunk_state_bytes(c):
             by_kind["optimizer" if kind == "master" else kind] += n
             by_device["host" if on_host else "device"] += n
     return by_kind, by_device
