@@ -193,14 +193,16 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
         parts.reducer.count_at_leaf_end(p for leaf in world.leaves for _, p in hooks.params_of(leaf))
     route_zero_grad(module, on.zero_grad)
-    sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)  # a forward is a collective
+    # a forward is a collective
+    sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
     guard_grad_readers(list(model.params) + ([t for ts in hooks.placeholders.values() for _, t in ts]
                                              if hooks else []))
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)
     delayed = config.delay_update_after is not None
-    arrivals = ArrivalHooks(module, layout.chunks_of) if stage in (1, 2) and (world.shards.world > 1 or delayed) else None
+    arrivals = ArrivalHooks(module, layout.chunks_of) \
+        if stage in (1, 2) and (world.shards.world > 1 or delayed) else None
     for p in model.params:
         if p.requires_grad:
             p.register_post_accumulate_grad_hook(on.grad_arrived)

@@ -264,10 +264,14 @@ class Config:
         if self.partition_activations and self.tensor_parallel == 1:
             raise ConfigError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
                              "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")
+        def group_size(v) -> bool:  # shard_group_size, hpz_group_size
+            return v is None or v == "node" or (is_int(v) and v >= 1)
+        if not group_size(self.shard_group_size):
+            bad("shard_group_size", "an integer >= 1 (ranks per shard group), 'node', or None for the whole "
+                                    "data-parallel world")
+        if not group_size(self.hpz_group_size):
+            bad("hpz_group_size", "an integer >= 1 (ranks per secondary group), 'node', or None (no hpZ)")
         if self.shard_group_size is not None:
-            if self.shard_group_size != "node" and (not is_int(self.shard_group_size) or self.shard_group_size < 1):
-                bad("shard_group_size", "an integer >= 1 (ranks per shard group), 'node', or None for the whole "
-                                        "data-parallel world")
             if self.stage == 0:
                 raise ConfigError("zeroshard config: shard_group_size shards model states inside groups of ranks: "
                                   "stage 0 shards nothing (use stage 1, 2 or 3)")
@@ -281,8 +285,6 @@ class Config:
             if why:
                 raise ConfigError(f"zeroshard config: shard_optimizer_across_replicas: {why}")
         if self.hpz_group_size is not None:
-            if self.hpz_group_size != "node" and (not is_int(self.hpz_group_size) or self.hpz_group_size < 1):
-                bad("hpz_group_size", "an integer >= 1 (ranks per secondary group), 'node', or None (no hpZ)")
             if self.stage != 3:
                 raise ConfigError(f"zeroshard config: hpz_group_size keeps secondary shards of stage 3's gathered "
                                   f"parameters: it needs stage 3 (got stage {self.stage})")

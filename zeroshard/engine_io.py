@@ -37,8 +37,8 @@ class EngineIO:
     def _state_view(self) -> TrainingState:
         """What state/ reads of this engine for one save, load or export (state/view.py)."""
         return TrainingState(self.module, self.params, self.names, self.shapes, self.state_keys, self.device,
-                             self.zeroshard_config, self.comm, self.shards, self.world_comm, self.tp, self.layout, self.optim,
-                             self.scaler, self.cache, self.steps, self.micro_steps, self.grads_pending,
+                             self.zeroshard_config, self.comm, self.shards, self.world_comm, self.tp, self.layout,
+                             self.optim, self.scaler, self.cache, self.steps, self.micro_steps, self.grads_pending,
                              self.apply_delayed_update, self.thaw, self.fix_layout, self.restore_counters)
 
     def _quiesce(self) -> None:

@@ -12,14 +12,13 @@ from .plan import _params_words, _transformer_shape, markdown
 def cmd_plan_nodes(args) -> int:
     from ..planning.links import Job, Links, compare
     psi = parameter_count(args.model)
-    layers, hidden = args.layers, args.hidden
-    source = f"{_params_words(psi)} parameters" if psi is not None else ""
+    layers, hidden, source = args.layers, args.hidden, None
     if psi is None:
         loaded = load_model(args.model, checkpointing=False)
         psi = float(sum(p.numel() for p in loaded.model.parameters()))
         shape = _transformer_shape(getattr(loaded.model, "config", None)) or (None, None)
-        layers, hidden = layers or shape[0], hidden or shape[1]
-        source = f"{loaded.source}: {_params_words(psi)} parameters"
+        layers, hidden, source = layers or shape[0], hidden or shape[1], loaded.source
+    source = f"{source + ': ' if source else ''}{_params_words(psi)} parameters"
     if (layers is None) != (hidden is None):
         raise UsageError("--layers and --hidden go together (the transformer's shape, for its activations)")
     links = Links(gpus_per_node=args.gpus_per_node, intra=args.intra_node_bandwidth or 300e9,
@@ -33,9 +32,10 @@ def cmd_plan_nodes(args) -> int:
         print(json.dumps({"model": args.model, "params": psi, "links": vars(links), "job": vars(job), "scales": [
             {"nodes": preds[0].nodes, "gpus": preds[0].world, "accumulation": preds[0].accumulation,
              "pick": pick.layout if pick else None,
-             "layouts": [{"layout": p.layout, "regather": p.regather, "device_bytes": p.device_bytes, "fits": p.fits, "step_s": p.step_s,
-                          "compute_s": p.compute_s, "overlapped_s": p.overlapped_s, "blocking_s": p.blocking_s,
-                          "optimizer_s": p.optimizer_s, "volumes": p.volumes, "across_elements": p.across_elements}
+             "layouts": [{"layout": p.layout, "regather": p.regather, "device_bytes": p.device_bytes, "fits": p.fits,
+                          "step_s": p.step_s, "compute_s": p.compute_s, "overlapped_s": p.overlapped_s,
+                          "blocking_s": p.blocking_s, "optimizer_s": p.optimizer_s, "volumes": p.volumes,
+                          "across_elements": p.across_elements}
                          for p in preds]} for preds, pick in results]}, indent=1))
         return 0 if all(pick for _, pick in results) else 2
     acts = "activations: " + (f"{layers} layers x hidden {hidden}, " + ("checkpointed at each layer" if
@@ -61,6 +61,8 @@ def cmd_plan_nodes(args) -> int:
     print(markdown(head, rows))
     for preds, pick in results:
         if pick is None:
-            print(f"at {preds[0].nodes} node{'s' if preds[0].nodes > 1 else ''} nothing fits {job.gpu_memory / 1e9:g} GB per GPU: more nodes, "
-                  "--checkpointing, a smaller micro-batch, or offload (`zeroshard plan MODEL` without --nodes)")
+            nodes = preds[0].nodes
+            print(f"at {nodes} node{'s' if nodes > 1 else ''} nothing fits {job.gpu_memory / 1e9:g} GB per GPU: "
+                  "more nodes, --checkpointing, a smaller micro-batch, or offload (`zeroshard plan MODEL` without "
+                  "--nodes)")
     return 0 if all(pick for _, pick in results) else 2

@@ -84,7 +84,7 @@ def _consecutive(size: int, tensor_parallel: int) -> list[list[int]]:
             for k in range(0, len(ranks), size)]
 
 
-def _split(size: int, tensor_parallel: int) -> list[list[list[int]]]:
+def _hybrid_groups(size: int, tensor_parallel: int) -> list[list[list[int]]]:
     """Hybrid sharding's two kinds of group: the shard groups, and the replica groups (the ranks
     holding the same shard in every shard group of a data-parallel group)."""
     replica_groups = [ranks[j::size] for ranks in _data_parallel_groups(dist.get_world_size(), tensor_parallel)
@@ -126,7 +126,7 @@ class ShardGroups:
         self.replica = dp.rank // size
         self.inside, self.across, self.secondary = dp, None, None
         if self.replicas > 1:
-            self.inside, self.across = _own_groups(dp.device, _split(size, tensor_parallel))
+            self.inside, self.across = _own_groups(dp.device, _hybrid_groups(size, tensor_parallel))
         elif secondary_size is not None and secondary_size < dp.world:
             self.secondary, = _own_groups(dp.device, [_consecutive(secondary_size, tensor_parallel)])
         self.rank, self.world = self.inside.rank, self.inside.world
@@ -206,10 +206,8 @@ class ShardGroups:
 
     def all_reduce_across(self, shard: torch.Tensor) -> None:
         """Hybrid, at the step: in place, this rank's reduced gradient shard <- its sum over the
-        replica group (blocking; nothing without hybrid sharding). A host shard (offloaded
-        optimizer) goes through the device when the group's backend needs it there (NCCL)."""
-        if not self.hybrid:
-            return
+        replica group (blocking). A host shard (offloaded optimizer) goes through the device when
+        the group's backend needs it there (NCCL)."""
         if shard.device.type != self.device.type and not self.across.gloo:
             on_device = shard.to(self.device)
             self.across.all_reduce_sum(on_device)

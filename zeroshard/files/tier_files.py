@@ -13,8 +13,9 @@ refused (tmpfs, some network file systems), the file is opened without it.
 Every record is verified when read: its header names the record, the generation this process
 wrote last (a counter kept in memory: a record left from an earlier write, or never written,
 does not match) and the payload's length and zlib.crc32 (2.5-3.7 GB/s on one core, computed in
-the I/O threads, which it releases the GIL for). A mismatch, a short read, a file removed or truncated under a running job, a full
-disk: TierFileError naming the file and the record, never wrong values.
+the I/O threads, which it releases the GIL for). A mismatch, a short read, a file removed or
+truncated under a running job, a full disk: TierFileError naming the file and the record, never
+wrong values.
 
 The directory is leased: `<file>.lease` holds the owner's host and pid. A lease of a live process
 refuses a second job (TierFileError); one of a process that is gone (a killed run) is reclaimed,

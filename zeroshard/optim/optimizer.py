@@ -130,8 +130,8 @@ class ShardedOptimizer:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
-        applied, overflow, norm = self._update(sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks]),
-                                               self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
+        grads = sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks])
+        applied, overflow, norm = self._update(grads, self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
                                                self._copy_target, self._publish)
         if applied:
             self.applied_updates += 1

@@ -13,9 +13,10 @@ the planner predicts), `loss_scale`, `grad_norm` (the global L2 norm of the step
 ranks, before clipping; None with config grad_norm=False and no clipping, or when the step was
 skipped), `skipped_steps` (optimizer steps skipped since the start for a non-finite gradient: fp16
 overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
-Hybrid sharding (config shard_group_size): `shard_group_size` (G; the data-parallel world when not
-hybrid) and `comm_elements_by_link` ({'inside': elements over the shard group, 'across': over
-groups spanning several shard groups}; their sum is `comm_elements`; docs/communication.md).
+Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): `shard_group_size` (G; the
+data-parallel world when not hybrid), `hpz_group_size` (None without hpZ) and
+`comm_elements_by_link` ({'inside': elements over the shard group or hpZ's secondary group,
+'across': over groups spanning several}; their sum is `comm_elements`; docs/communication.md).
 
 With tensor parallelism (tensor_parallel.py) the counts above are of the data-parallel group
 (`world_size` is its size; parameter counts are this rank's local shards); `tensor_parallel` is the

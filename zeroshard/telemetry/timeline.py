@@ -6,8 +6,9 @@
 
 The fields of a `Sample`, all in bytes of this rank (model states, gradient buffers, activations:
 docs/vocabulary.md):
-- model states: parameters (with hpZ, the secondary shards too), gradients and optimizer states kept from step to step (what
-  `engine.stats()` calls model_state_bytes), split into device and host memory. At stages 0-1 the
+- model states: parameters (with hpZ, the secondary shards too), gradients and optimizer states
+  kept from step to step (what `engine.stats()` calls model_state_bytes), split into device and
+  host memory. At stages 0-1 the
   full gradient is kept for the whole step, so it is a model state there.
 - rCache: stage-3 chunks gathered in full at that moment (gathering ones included).
 - gradient buffers: full-chunk gradients being accumulated or reduced at stages 2-3, freed once
