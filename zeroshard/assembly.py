@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from .config import Config
+from .errors import TierFileError
 from .distributed.collectives import Comm, default_device, init_process_group
 from .distributed.shard_groups import ShardGroups, resolve_group_size
 from .distributed.tensor_parallel import TensorParallel, local_shape
@@ -23,6 +24,7 @@ from .optim.param_groups import as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache
+from .runtime.disk_tier import DiskTier
 from .runtime.packing import auto_chunk_size
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
@@ -126,7 +128,8 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
     numels = [p.numel() for p in model.params]
     cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
-    placement = Placement(optimizer_on_host=config.offload_optimizer, params_on_host=config.offload_params)
+    placement = Placement(optimizer_on_host=bool(config.offload_optimizer), params_on_host=config.offload_params,
+                          optimizer_on_disk=config.offload_optimizer == "disk")
     chosen = planned.plan
     placement_of = (lambda i: placement) if chosen is None else (lambda i: chosen.placement(i, config.stage))
     layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.shards, dtype=config.dtype,
@@ -136,17 +139,36 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     cache = ChunkCache(world.shards, config.cache_chunks, config.prefetch)
     reducer = GradientReducer(world.shards, config.stage, config.gradient_accumulation_steps)
     scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
-    host = config.offload_optimizer or (chosen is not None and any(chosen.optimizer_on_host))
+    host = bool(config.offload_optimizer) or (chosen is not None and any(chosen.optimizer_on_host))
+    tier = _disk_tier(config, world) if config.offload_optimizer == "disk" else None
     delayed = config.delay_update_after is not None
     optim = ShardedOptimizer(optimizer or default_optimizer(host=host), world.comm, param_names=model.names,
                              stage=config.stage, dtype=config.dtype, accumulation=config.gradient_accumulation_steps,
                              clip_grad_norm=config.clip_grad_norm, scaler=scaler,
                              delay_after=config.delay_update_after,
                              side_comm=world.comm.side_channel() if delayed else None,
-                             nonfinite=config.nonfinite, measure_norm=config.grad_norm, shards=world.shards)
+                             nonfinite=config.nonfinite, measure_norm=config.grad_norm, shards=world.shards, tier=tier)
     if config.check_order:
         world.shards.enable_order_checks()
     return Parts(layout, cache, reducer, scaler, optim)
+
+
+def _disk_tier(config: Config, world: World) -> DiskTier:
+    """The disk tier, its directory tried on every rank: one rank's unusable directory raises
+    TierFileError on all of them. Its files are named by the rank among every rank (TP peers
+    included), so ranks sharing a node's disk never share one."""
+    tier, error = None, None
+    try:
+        tier = DiskTier(config.offload_dir, world.world_comm.rank)
+    except TierFileError as e:
+        error = e
+    errors = world.world_comm.all_gather_objects(None if error is None else str(error))
+    if error is not None:
+        raise error
+    bad = next(((r, m) for r, m in enumerate(errors) if m), None)
+    if bad:
+        raise TierFileError(f"zeroshard: rank {bad[0]} cannot use its disk tier: {bad[1]}")
+    return tier
 
 
 def pack(parts: Parts, model: Model, start: InitialValues, planned: Planned, world: World) -> None:

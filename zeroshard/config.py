@@ -45,7 +45,12 @@ class Config:
         many overflow-free steps before the scale doubles. Each overflow halves it.
     offload_optimizer: ZeRO-Offload (stages 1-3): every chunk's fp32 master and optimizer states
         live in host memory and the optimizer step runs on the CPU; reduced gradients are moved to
-        the host during backward and updated parameters back to the device.
+        the host during backward and updated parameters back to the device. 'disk' (ZeRO-Infinity):
+        the optimizer steps on the CPU as with True, but between steps the masters and optimizer
+        states live in files in offload_dir, streamed through a few host buffers chunk by chunk
+        (runtime/disk_tier.py), so host memory holds a few chunks' states, not the model's.
+    offload_dir: the disk tier's directory (offload_optimizer='disk'): local to the node, on the
+        fastest disk; each rank writes its own files there and removes them at exit.
     offload_params: stage 3 only: the 16-bit parameter shards also live in host memory and are
         uploaded when their chunk is gathered, so the device holds only what the rCache holds.
     offload: 'auto' = Elixir: profile the model, measure the machine, and let the planner choose the
@@ -135,7 +140,8 @@ class Config:
     check_order: bool = True
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
-    offload_optimizer: bool = False
+    offload_optimizer: bool | str = False
+    offload_dir: str | None = None
     offload_params: bool = False
     offload_activations: bool = False
     delay_update_after: int | None = None
@@ -213,7 +219,15 @@ class Config:
         for key in ("buffer_dtype", "reduce_dtype"):
             if getattr(self, key) not in ("compute", "fp32"):
                 bad(key, "'compute' (the precision's dtype) or 'fp32'")
-        for key in ("prefetch", "check_order", "offload_optimizer", "offload_params", "offload_activations",
+        if self.offload_optimizer not in (True, False, "disk"):
+            bad("offload_optimizer", "true, false or 'disk'")
+        if self.offload_optimizer == "disk" and not (isinstance(self.offload_dir, str) and self.offload_dir):
+            raise ConfigError("zeroshard config: offload_optimizer='disk' needs offload_dir, a directory on a local "
+                              "disk for the tier's files (not tmpfs: that is host memory)")
+        if self.offload_dir is not None and self.offload_optimizer != "disk":
+            raise ConfigError("zeroshard config: offload_dir is the disk tier's directory: it needs "
+                              "offload_optimizer='disk'")
+        for key in ("prefetch", "check_order", "offload_params", "offload_activations",
                     "cast_forward_inputs", "allow_nonfinite_weights"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")

@@ -68,6 +68,8 @@ class Engine(EngineIO):
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
+        if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
+            weakref.finalize(self, self.optim.tier.close)
         self._follow_schedule()
 
     def _set_counters(self) -> None:

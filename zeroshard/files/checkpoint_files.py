@@ -129,6 +129,19 @@ class Piece:
         raise ValueError(f"zeroshard: no box of {index.fqn} starts at {tuple(index.offset)}")
 
 
+class LazyPiece(Piece):
+    """A Piece whose values are fetched as DCP writes each box: `get()` returns the 1-D values,
+    valid until the next get of another piece (the disk tier's chunks, opened one at a time), so
+    a save never holds them all. Each box is copied out (a parameter's size at most)."""
+
+    def __init__(self, get, numel: int, dtype: torch.dtype, shape: torch.Size, start: int):
+        self._get = get
+        super().__init__(torch.empty(numel, dtype=dtype, device="meta"), shape, start)
+
+    def _box(self, offsets, sizes, at) -> torch.Tensor:
+        return self._get()[at:at + math.prod(sizes)].view(sizes).clone()
+
+
 class SavePlanner(DefaultSavePlanner):
     """Saves a flat {key: Tensor | Piece} state (SafeWriter refuses anything that DCP would pickle)."""
 

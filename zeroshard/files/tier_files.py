@@ -61,6 +61,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def reclaim_stale(directory: str) -> list[str]:
+    """Remove the tier files (and leases) in `directory` that a process of this host left when it
+    died (a killed run), with a warning each; files of live processes or of other hosts are left
+    alone. Returns the files removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:  # not there yet, or not a directory (TierFile names that)
+        return removed
+    for name in names:
+        if not name.endswith(".lease"):
+            continue
+        lease = os.path.join(directory, name)
+        try:
+            with open(lease) as f:
+                host, pid = f.read().split()
+            pid = int(pid)
+        except (OSError, ValueError):
+            continue  # being written, or not ours to judge
+        if host != socket.gethostname() or _alive(pid):
+            continue
+        path = lease[:-len(".lease")]
+        log.warning("reclaiming the disk tier file %s left by process %s (gone)", path, pid)
+        for p in (path, lease):
+            try:
+                os.remove(p)
+            except FileNotFoundError:
+                pass
+        removed.append(path)
+    return removed
+
+
 class TierFile:
     """Records 0..len(sizes)-1 of `sizes[i]` bytes each, in `directory`/`name`.
 

@@ -34,6 +34,7 @@ its stage-3 gather), not all before the forward starts.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 import threading
@@ -41,12 +42,13 @@ import threading
 import torch
 
 from ..runtime.offload import fold_host_grad
-from ..errors import DivergedError, NonFiniteError, PeerLostError, invariant
+from ..errors import DivergedError, NonFiniteError, PeerLostError, TierFileError, invariant
 from .grad_agreement import agree_grads, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
+from .tiered_states import TieredStates, agree_on_tier
 
 
 class UpdateState(enum.Enum):
@@ -60,14 +62,15 @@ class ShardedOptimizer:
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
-                 measure_norm: bool = True, shards: ShardGroups):
+                 measure_norm: bool = True, shards: ShardGroups, tier=None):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
         nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
         compute the global gradient norm of every step even without clipping (Config.grad_norm).
         comm: the data-parallel group (the gradient's divisor, the step's flags and norm); shards:
         the chunks' groups, over which updated chunks are all-gathered and (hybrid) gradient
-        shards summed across the groups."""
+        shards summed across the groups. tier: the disk tier (runtime/disk_tier.py) of the chunks
+        placed there, or None."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
@@ -96,6 +99,9 @@ class ShardedOptimizer:
         self._outcome = None  # (applied, overflow, grad norm) or the exception the thread raised
         self._delay_staging: dict[int, list] = {}  # id(chunk) -> [host 16-bit buffer, upload reading it]
         self._state_bytes_at_launch = None
+        self.tier = tier
+        if tier is not None:
+            TieredStates(tier, lambda: self.optimizer)
 
     def attach(self, chunks) -> None:
         """(Re)bind the optimizer to the trainable chunks' master pieces, each in the param group of
@@ -103,6 +109,11 @@ class ShardedOptimizer:
         only what it made when built), so re-packing chunks only swaps the tensors it updates."""
         self.chunks = [c for c in chunks if c.trainable]
         pieces = [pc for c in self.chunks for pc in c.pieces]
+        if self.tier is not None:
+            on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
+            self.tier.attach(on_disk)
+            for c in on_disk:
+                c.keep_master_in(self.tier)
         if self.optimizer is None:
             self.optimizer = self.groups.build(pieces)
         elif self.applied_updates and self.optimizer.state:
@@ -209,14 +220,36 @@ class ShardedOptimizer:
             chunks = [self.chunks[i] for i in together]
             for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
                 finish(c, target)
-        for i in one_by_one:
-            c = self.chunks[i]
-            load(c, grads[i], present[i])
-            grads[i] = None
-            (target,) = self._step_chunks(opt, [c], target_of)
-            for pc in c.pieces:
-                pc.param.grad = None
-            finish(c, target)
+        # Disk tier: chunk k is open while k+1 and k+2 are read ahead and k-1 is written behind.
+        disk = [i for i in one_by_one if self.chunks[i].placement.optimizer_on_disk]
+        ahead = {i: [self.chunks[j] for j in disk[n + 1:n + 3]] for n, i in enumerate(disk)}
+        failure = None
+        for c in [self.chunks[j] for j in disk[:2]]:
+            self.tier.read_ahead(c)
+        try:
+            for i in one_by_one:
+                c = self.chunks[i]
+                with self.tier.opened(c, write=True, adopt=True) if c.placement.optimizer_on_disk \
+                        else contextlib.nullcontext():
+                    for d in ahead.get(i, ()):
+                        self.tier.read_ahead(d)
+                    load(c, grads[i], present[i])
+                    grads[i] = None
+                    (target,) = self._step_chunks(opt, [c], target_of)
+                    for pc in c.pieces:
+                        pc.param.grad = None
+                    finish(c, target)
+            if disk:
+                self.tier.flush()
+        except TierFileError as e:
+            failure = e
+            self.tier.fail(e)
+        if disk:
+            try:
+                agree_on_tier(comm, failure)
+            except TierFileError as e:  # every rank's records are now a step apart from some other's
+                self.tier.fail(e)
+                raise
         self._drop_grads()
         return True, False, norm
 
@@ -275,7 +308,7 @@ class ShardedOptimizer:
         if reader is not None:
             reader.sync()
         if buf is None:  # zeroed once: elements outside master pieces are uploaded as they are
-            buf = c.transfer.host_empty(max(x.master.numel() for x in self.chunks), self.dtype).zero_()
+            buf = c.transfer.host_empty(max(x.owned_numel for x in self.chunks), self.dtype).zero_()
         self._staging[slot] = (buf, None)
         self._staging_slot_of[id(c)] = slot
         return buf[:c.master.numel()]
@@ -293,6 +326,8 @@ class ShardedOptimizer:
                 if slot is not None:
                     self._staging[slot] = (self._staging[slot][0], upload)
                 upload.wait()
+                if target is None and c.placement.optimizer_on_disk:  # it reads the tier's slot
+                    upload.sync()
             else:  # master on the device, shard offloaded to the host: download
                 c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()
 
@@ -324,7 +359,7 @@ class ShardedOptimizer:
         self._state_bytes_at_launch = self.state_bytes()
         for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
             if id(c) not in self._delay_staging:
-                self._delay_staging[id(c)] = [c.transfer.host_empty(c.master.numel(), self.dtype).zero_(), None]
+                self._delay_staging[id(c)] = [c.transfer.host_empty(c.owned_numel, self.dtype).zero_(), None]
         grads = [c.take_host_grad() for c in self.chunks]
         if self.shards.hybrid:  # summed across the groups here, in chunk order, as step() does
             grads = [(g, None) for g in sum_across(self.shards, self.chunks, [fold_host_grad(h, p) for h, p in grads])]
@@ -426,12 +461,12 @@ class ShardedOptimizer:
 
     def state_bytes(self) -> dict[bool, int]:
         """Bytes of the optimizer's own state tensors (moments etc.) on this rank, by whether they
-        are on the host."""
+        are on the host (the disk tier's are in neither: they are meta tensors between steps)."""
         if self.update is UpdateState.IN_FLIGHT:  # the thread may be creating state: as at launch
             return dict(self._state_bytes_at_launch)
         host_of = {id(pc.param): c.placement.optimizer_on_host for c in self.chunks for pc in c.pieces}
         out = {False: 0, True: 0}
         for p, st in self.optimizer.state.items():
             out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()
-                                                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+                                                  if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
         return out

@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.nn as nn
 
 from ..errors import invariant
 from .offload import Pending, Placement, Transfer, fold_host_grad
 from ..distributed.ordering import GATHER, REDUCE
 from ..distributed.tensor_parallel import set_local
+from .chunk_master import ChunkMaster
 from .packing import Fill, MasterPiece, Slot, fill_chunk, padded_numel
 from .secondary import SecondaryShard
 
@@ -37,7 +37,7 @@ class GradState(enum.Enum):
     REDUCED = "reduced"  # ... and it finished during backward
 
 
-class Chunk:
+class Chunk(ChunkMaster):
     """One chunk: its storage for a given stage, and the moves between its states.
 
     Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
@@ -85,18 +85,17 @@ class Chunk:
         self.secondary = SecondaryShard(self.padded_numel, *secondary, dtype, device) \
             if stage == 3 and secondary[1] > 1 else None
         self.master = None
+        self.tier = None  # the disk tier holding the master once adopted (keep_master_in)
         # fp32 training with master and shard on the same side: the optimizer updates the compute
-        # storage itself; otherwise the master is an fp32 copy on the optimizer's side.
-        self.master_is_shard = dtype == torch.float32 and (
+        # storage itself; otherwise the master is an fp32 copy on the optimizer's side (the disk
+        # tier's always: the shard is not written behind).
+        self.master_is_shard = dtype == torch.float32 and not placement.optimizer_on_disk and (
             placement.optimizer_on_host == (stage == 3 and placement.params_on_host))
         if trainable:
             if self.master_is_shard:
                 self.master = self.shard
             else:
-                n = self.owned_range[1] - self.owned_range[0]
-                self.master = self.transfer.host_empty(n, torch.float32) if placement.optimizer_on_host \
-                    else torch.empty(n, dtype=torch.float32, device=device)
-                self.master.zero_()
+                self.master = self.new_master().zero_()
         fill_chunk(self, fill, comm)
         self.pieces: list[MasterPiece] = self._master_pieces() if trainable else []
         # In-flight async collectives. Gathers and reductions are independent and can overlap (a
@@ -131,29 +130,6 @@ class Chunk:
         if not any(s.param.is_meta for s in slots):  # meta parameters: once every chunk is built
             self.attach_params()
 
-    @torch.no_grad()
-    def make_trainable(self) -> None:
-        """A frozen chunk one of whose parameters was unfrozen after initialize (gradual
-        unfreezing) gets what trainable chunks have: an fp32 master of its owned range, taken from
-        the values it holds (in 16-bit training, the 16-bit copies: a frozen chunk keeps no fp32
-        one), gradient buffers, and master pieces, whose optimizer state starts empty as torch's
-        does for a parameter it has not stepped. Its parameters still frozen get no gradient and
-        are not stepped."""
-        if self.trainable:
-            return
-        self.trainable = True
-        if self.master_is_shard:
-            self.master = self.shard
-        else:
-            n = self.owned_range[1] - self.owned_range[0]
-            self.master = self.transfer.host_empty(n, torch.float32) if self.placement.optimizer_on_host \
-                else torch.empty(n, dtype=torch.float32, device=self.device)
-            self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
-        self.pieces = self._master_pieces()
-        if self.stage <= 1:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        self.expected_grads = len(self.slots)
-
     def attach_params(self) -> None:
         """Point the parameters at this chunk: at their views of the full chunk (stages 0-2), or at
         nothing (stage 3), which frees the storage they had as built at once, not at a first gather."""
@@ -161,17 +137,6 @@ class Chunk:
             self.bind_params()
         else:
             self.unbind_params()
-
-    def _master_pieces(self) -> list[MasterPiece]:
-        lo, hi = self.owned_range
-        base = self.master.detach()
-        out = []
-        for i, s in enumerate(self.slots):
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                view = base[a - lo:b - lo]
-                out.append(MasterPiece(s, i, a, b, nn.Parameter(view.view(s.shape) if b - a == s.numel else view)))
-        return out
 
     def held_range(self) -> tuple[int, int]:
         """The chunk elements whose value this rank stores: the whole chunk at stages 0-2, the shard
@@ -193,7 +158,8 @@ class Chunk:
             put(self.shard, self.shard_range[0])
             self.forget_secondary()
         if self.master is not None and not self.master_is_shard:
-            put(self.master, self.owned_range[0])
+            with self.master_values(write=True):
+                put(self.master, self.owned_range[0])
 
     def write(self, slot: Slot, lo: int, hi: int, values: torch.Tensor) -> None:
         """Write elements [lo, hi) of one parameter (flattened) into the copies this rank keeps."""

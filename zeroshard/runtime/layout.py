@@ -203,10 +203,13 @@ class ChunkLayout:
     def full_fp32(self, c: Chunk) -> torch.Tensor:
         """Collective: chunk c's whole value in fp32 on the device, from the masters (a frozen chunk:
         from its 16-bit copies)."""
-        if c.master is not None:
-            src, (lo, hi) = c.master.detach(), c.owned_range
-        else:
-            src, (lo, hi) = c.shard, c.owned_range
+        with c.master_values():
+            if c.master is not None:
+                src, (lo, hi) = c.master.detach(), c.owned_range
+                if c.tier is not None:  # a slot of the disk tier, reused once the block ends
+                    src = src.clone()
+            else:
+                src, (lo, hi) = c.shard, c.owned_range
         src = src.to(self.device)  # an offloaded shard: the collective runs on the device
         if (lo, hi) == (0, c.padded_numel):
             return src.float()

@@ -25,6 +25,7 @@ class Placement:
     """Where one chunk's model states live."""
 
     optimizer_on_host: bool = False  # fp32 master, optimizer states and the step on the host
+    optimizer_on_disk: bool = False  # ... and the master and states kept in the disk tier between steps
     params_on_host: bool = False  # stage 3: the 16-bit parameter shard lives on the host
 
 

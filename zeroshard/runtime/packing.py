@@ -107,6 +107,11 @@ class MasterPiece:
     hi: int
     param: nn.Parameter
 
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of `param` (also while the disk tier holds its values elsewhere)."""
+        return self.slot.shape if self.hi - self.lo == self.slot.numel else torch.Size([self.hi - self.lo])
+
 
 @torch.no_grad()
 def fill_chunk(chunk, fill: Fill, comm=None) -> None:

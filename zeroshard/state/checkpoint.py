@@ -33,7 +33,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..files.checkpoint_dirs import (LATEST, META, SUMS, VERSION, commit, fsync_dir, prune, remove_leftovers, write_file,
                               write_latest)
-from ..files.checkpoint_files import EXTRA, FORMAT, Piece, SafeWriter, SavePlanner, cause_line, digest, failure
+from ..files.checkpoint_files import (EXTRA, FORMAT, LazyPiece, Piece, SafeWriter, SavePlanner, cause_line, digest,
+                                      failure)
 from ..errors import CheckpointError
 from ..distributed.ordering import CHECKPOINT
 from .view import TrainingState
@@ -45,6 +46,31 @@ def _elementwise(v, piece) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.shape == piece.shape
 
 
+def tiered(c) -> bool:
+    """Whether chunk c's master and optimizer states are in the disk tier (open it to read them)."""
+    return c.trainable and c.tier is not None and c.tier.adopted_chunk(c)
+
+
+class OneOpen:
+    """Disk-tier chunks opened one at a time, for as long as the next value asked for is theirs."""
+
+    def __init__(self, write: bool = False):
+        self.write, self.chunk = write, None
+
+    def values(self, c, get):
+        """get(), with chunk c open."""
+        if self.chunk is not c:
+            self.close()
+            c.tier.open(c)
+            self.chunk = c
+        return get()
+
+    def close(self) -> None:
+        if self.chunk is not None:
+            c, self.chunk = self.chunk, None
+            c.tier.close(c, write=self.write)
+
+
 def _optim_kinds(view) -> dict[str, dict[str, str]]:
     """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'int' | 'float'}} for
     every parameter with optimizer state on some rank (one never stepped has none, as in torch);
@@ -54,13 +80,13 @@ def _optim_kinds(view) -> dict[str, dict[str, str]]:
         for pc in c.pieces:
             kinds = {}
             for k, v in view.optim.optimizer.state.get(pc.param, {}).items():
-                if _elementwise(v, pc.param):
+                if _elementwise(v, pc):
                     kinds[k] = "elementwise"
                 elif torch.is_tensor(v) and v.numel() == 1:
                     kinds[k] = "tensor"
                 elif torch.is_tensor(v):
                     error = (f"zeroshard: optimizer state {k!r} of {pc.slot.name} has shape {tuple(v.shape)} for a "
-                             f"piece of {tuple(pc.param.shape)}: only elementwise states (and scalars) can be saved "
+                             f"piece of {tuple(pc.shape)}: only elementwise states (and scalars) can be saved "
                              "independently of the sharding")
                 elif isinstance(v, (int, float)) and not isinstance(v, bool):
                     kinds[k] = "float" if isinstance(v, float) else "int"
@@ -168,11 +194,12 @@ def runs(c, lo: int, hi: int):
 
 
 # -- save ------------------------------------------------------------------------------------------
-def _save_state(view) -> dict:
+def _save_state(view, one: OneOpen) -> dict:
     """This rank's DCP state: the pieces in its shard range (at stage 0 too, so ranks split the
     writing), scalar optimizer states from the rank holding a parameter's first element, its RNG.
     Hybrid sharding: the first shard group writes the pieces; the others hold the same values
-    (with the optimizer split across the replicas, every rank writes its owned range)."""
+    (with the optimizer split across the replicas, every rank writes its owned range). Disk-tier
+    chunks' pieces are read as DCP writes them, through `one`."""
     out = {}
     opt = view.optim.optimizer
     buffers = describe_model(view)["buffers"]  # on every rank: it may raise, and must raise everywhere
@@ -180,17 +207,23 @@ def _save_state(view) -> dict:
     for c in (view.chunks if view.shards.replica == 0 or split else ()):
         lo, hi = c.owned_range if split else c.shard_range
         base = c.owned_range[0]
+        lazy = tiered(c)
         # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
-        src = c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
+        src = None if lazy else c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
         if not c.trainable:
             base = lo
         piece_of = {id(pc.slot): pc for pc in c.pieces}
         for s, start, a, b in runs(c, lo, hi):
-            out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start)
+            out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start) if not lazy else LazyPiece(
+                lambda c=c, x=a - base, y=b - base: one.values(c, lambda: c.master.detach()[x:y]),
+                b - a, torch.float32, s.shape, start)
             pc = piece_of.get(id(s))
             for k, v in (opt.state.get(pc.param, {}) if pc is not None else {}).items():
                 key = f"optim.state.{s.name}.{k}"
-                if _elementwise(v, pc.param):
+                if _elementwise(v, pc) and lazy:
+                    out[key] = LazyPiece(lambda c=c, p=pc.param, k=k, x=a - pc.lo, y=b - pc.lo: one.values(
+                        c, lambda: opt.state[p][k].detach().reshape(-1)[x:y]), b - a, v.dtype, s.shape, start)
+                elif _elementwise(v, pc):
                     out[key] = Piece(v.detach().reshape(-1)[a - pc.lo:b - pc.lo], s.shape, start)
                 elif start == 0:  # a scalar: a 0-d tensor, or a Python number saved as one
                     out[key] = v.detach().cpu().clone() if torch.is_tensor(v) else \
@@ -256,10 +289,14 @@ def save(view: TrainingState, root, tag: str | None = None, client_state: dict |
     if error:
         raise CheckpointError(error)
     try:
+        one = OneOpen()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(_save_state(view), storage_writer=SafeWriter(tmp), planner=SavePlanner(),
-                     process_group=comm.group, no_dist=not comm.distributed)
+            try:
+                dcp.save(_save_state(view, one), storage_writer=SafeWriter(tmp), planner=SavePlanner(),
+                         process_group=comm.group, no_dist=not comm.distributed)
+            finally:
+                one.close()
         try:
             mine = {n: digest(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(f"__{comm.rank}_")}
         except OSError as e:

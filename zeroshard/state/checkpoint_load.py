@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .checkpoint import describe_model, mismatch, quiesce, runs, set_rng_state
+from .checkpoint import describe_model, mismatch, quiesce, runs, set_rng_state, tiered
 from ..files.checkpoint_dirs import held, lease
 from ..files.checkpoint_files import (Piece, SafeReader, dcp_load, failure, read_extra, read_meta, read_sums,
                                verify_all)
@@ -96,8 +96,12 @@ def _load_version(view, found: str, load_optimizer: bool, t0: float) -> dict:
             key = f"optim.state.{name}.{k}"
             if kind in ("int", "float") and key in small:
                 small[key] = (int if kind == "int" else float)(small[key].item())
+    for c in view.chunks:  # the disk tier's chunks are loaded into their records, one at a time
+        if c.trainable and c.tier is not None:
+            c.tier.adopt(c)
     pieces, opt_state = _piece_state(view, kinds)
     dcp_load(pieces, found, comm)
+    opt_state.update(_load_tiered(view, kinds, found))
     _apply(view, opt_state, small, extra["param_groups"] if load_optimizer else None)
     for key in meta["buffers"]:
         with torch.no_grad():
@@ -180,6 +184,8 @@ def _piece_state(view, kinds: dict):
     state, opt_state = {}, {}
     opt = view.optim.optimizer
     for c in view.chunks:
+        if tiered(c):
+            continue
         lo, hi = c.owned_range
         dst = (c.master if c.trainable else c.shard).detach()
         piece_of = {id(pc.slot): pc for pc in c.pieces}
@@ -203,6 +209,40 @@ def _piece_state(view, kinds: dict):
 
 
 @torch.no_grad()
+def _load_tiered(view, kinds: dict, found: str) -> dict:
+    """_piece_state and its load for the disk tier's chunks, one chunk at a time (a DCP load each, a
+    collective: every rank has the same chunks): its record opened, the pieces read into it (master
+    and elementwise states), its 16-bit copy refreshed, the record written back. The optimizer's
+    tiered states are meta tensors (tiered_states.py), returned as _piece_state's are."""
+    opt_state = {}
+    for c in [c for c in view.chunks if tiered(c)]:
+        c.tier.open(c)
+        ok = False
+        try:
+            lo, hi = c.owned_range
+            state, piece_of = {}, {id(pc.slot): pc for pc in c.pieces}
+            for s, start, a, b in runs(c, lo, hi):
+                state[f"model.{s.name}"] = Piece(c.master.detach()[a - lo:b - lo], s.shape, start)
+                pc = piece_of.get(id(s))
+                if pc is None or s.name not in kinds:
+                    continue
+                bufs = {}
+                for k, kind in kinds[s.name].items():
+                    bufs[k] = None  # a scalar: loaded before anything changed (_small_state)
+                    if kind == "elementwise":
+                        values = c.tier.field(c, k, torch.float32)[pc.lo - lo:pc.hi - lo]
+                        state[f"optim.state.{s.name}.{k}"] = Piece(values[a - pc.lo:b - pc.lo], s.shape, start)
+                        bufs[k] = torch.empty(pc.shape, dtype=torch.float32, device="meta")
+                opt_state[id(pc.param)] = bufs
+            dcp_load(state, found, view.comm)
+            c.shard.copy_(c.master)
+            ok = True
+        finally:
+            c.tier.close(c, write=ok)
+    return opt_state
+
+
+@torch.no_grad()
 def _apply(view, opt_state: dict, small: dict, groups) -> None:
     """After the masters (and frozen shards) are loaded: refresh every 16-bit copy and (stages 1-2)
     the full chunks, and hand the optimizer its state: elementwise states from `opt_state`, scalar
@@ -212,7 +252,7 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
         for c in view.chunks:
             if c.trainable:
                 c.zero_grad()
-                if not c.master_is_shard:
+                if not c.master_is_shard and not tiered(c):  # (the tier's: _load_tiered)
                     c.shard.copy_(c.master)
             if view.stage in (1, 2):
                 shards.all_gather_owned(c.full)
@@ -222,12 +262,16 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
         opt.load_state_dict({"state": {}, "param_groups": current})
         return
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    loaded = {}
+    loaded, tier_held = {}, []
     for c in view.optim.chunks:
         for pc in c.pieces:
             if id(pc.param) in opt_state and id(pc.param) in index:
+                states = opt_state[id(pc.param)]
                 loaded[index[id(pc.param)]] = {k: small[f"optim.state.{pc.slot.name}.{k}"] if v is None else v
-                                               for k, v in opt_state[id(pc.param)].items()}
+                                               for k, v in states.items() if v is None or not v.is_meta}
+                tier_held += [(pc.param, k, v) for k, v in states.items() if v is not None and v.is_meta]
     # The saved hyperparameters (a schedule's lr, ...) of every key this optimizer knows.
     opt.load_state_dict({"state": loaded, "param_groups": [{**cur, **{k: v for k, v in g.items() if k in cur}}
                                                            for g, cur in zip(groups, current)]})
+    for p, k, placeholder in tier_held:  # in the disk tier's records; torch's load would copy them
+        opt.state[p][k] = placeholder

@@ -13,6 +13,10 @@ the planner predicts), `loss_scale`, `grad_norm` (the global L2 norm of the step
 ranks, before clipping; None with config grad_norm=False and no clipping, or when the step was
 skipped), `skipped_steps` (optimizer steps skipped since the start for a non-finite gradient: fp16
 overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
+The disk tier (offload_optimizer='disk'): 'disk' in `model_state_bytes_by_device` (the records
+written there), and `disk_tier` ({'read_bytes', 'written_bytes' since the previous step;
+'read_wait_s', 'write_wait_s': what the step waited for reads and for slots being written;
+'buffer_bytes': the host slots}); None without it.
 Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): `shard_group_size` (G; the
 data-parallel world when not hybrid), `hpz_group_size` (None without hpZ) and
 `comm_elements_by_link` ({'inside': elements over the shard group or hpZ's secondary group,
@@ -114,6 +118,9 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
         for kind, on_host, n in chunk_state_bytes(c):
             by_kind["optimizer" if kind == "master" else kind] += n
             by_device["host" if on_host else "device"] += n
+    if optim.tier is not None:
+        by_device["disk"] = optim.tier.bytes_on_disk()
+        by_kind["optimizer"] += by_device["disk"]
     return by_kind, by_device
 
 
@@ -151,6 +158,12 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
         "tensor_parallel": tp.degree if tp is not None else 1,
         "saved_activation_bytes": dict(saved.saved_bytes) if saved.saved_bytes is not None else None,
     }
+    tier = optim.tier
+    out["disk_tier"] = None if tier is None else {
+        "read_bytes": tier.read_bytes, "written_bytes": tier.written_bytes, "read_wait_s": tier.read_wait_s,
+        "write_wait_s": tier.write_wait_s, "buffer_bytes": tier.buffer_bytes()}
+    if tier is not None:
+        tier.reset_counters()
     partition = saved.partition
     if partition is not None:
         out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints

@@ -1,0 +1,238 @@
+"""Scenarios of tests/test_disk_tier.py: offload_optimizer='disk' trains bit for bit what
+offload_optimizer=True trains (the same operations on the same values, only read from and written
+to files between steps), its checkpoints go to and come from the host tier and the device, and its
+failures (a tier file truncated, removed or changed, a full disk, an unusable directory) raise
+TierFileError on every rank."""
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+import tempfile
+
+import zeroshard
+from distributed import WorldResults, error_on_every_rank, every_rank, record
+from models import batches, digest, make_adamw, make_sgd, max_diff, reference, tiny_gpt2, train
+
+CASES = {  # name: (precision, optimizer, extra config)
+    "fp32_sgd_clip": ("fp32", make_sgd, {"clip_grad_norm": 0.5}),
+    "fp32_adamw": ("fp32", make_adamw, {}),
+    "bf16_cpuadamw": ("bf16", zeroshard.CPUAdamW, {}),
+    "fp16_cpuadamw": ("fp16", zeroshard.CPUAdamW, {}),
+}
+SCENARIOS = {}
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def tier_dir() -> str:
+    return tempfile.mkdtemp(prefix="zeroshard-tier-")
+
+
+def disk(cfg: dict, directory: str | None = None) -> dict:
+    return {**cfg, "offload_optimizer": "disk", "offload_dir": directory or tier_dir()}
+
+
+def tier_figures(engine) -> dict:
+    """What the last step moved through the tier, and where the model states are."""
+    s = engine.stats()
+    return {"disk_tier": s["disk_tier"], "by_device": s["model_state_bytes_by_device"],
+            "by_kind": s["model_state_bytes_by_kind"], "files": sorted(os.listdir(engine.optim.tier.directory))}
+
+
+def _add_grid():
+    for case, (prec, opt, extra) in CASES.items():
+        for stage in (1, 2, 3):
+            def fn(rank, world, prec=prec, opt=opt, extra=extra, stage=stage):
+                data = batches(3, world, 2, accumulation=2)
+                cfg = {"stage": stage, "precision": prec, "chunk_size": 20000, "gradient_accumulation_steps": 2,
+                       "offload_optimizer": True, **extra}
+                host = zeroshard.initialize(tiny_gpt2(), opt, cfg)
+                train(host, data, rank)
+                tiered = zeroshard.initialize(tiny_gpt2(), opt, disk(cfg))
+                train(tiered, data, rank)
+                out = {"diff": max_diff(host.full_state_dict(), tiered.full_state_dict()), **tier_figures(tiered),
+                       "host_bytes": host.stats()["model_state_bytes_by_device"],
+                       "digests": every_rank(digest(tiered.full_state_dict()))}
+                if prec == "fp32" and stage == 2:  # the model plain PyTorch trains, as test_offload checks
+                    ref, _, _ = reference(tiny_gpt2(), data, opt, extra.get("clip_grad_norm"))
+                    out["vs_ref"] = max_diff(tiered.full_state_dict(), ref)
+                return out
+            SCENARIOS[f"disk_{case}_stage{stage}"] = fn
+
+
+_add_grid()
+
+
+@scenario
+def disk_delayed_update(rank, world):
+    """The delayed update's background step streams through the tier as the plain one does."""
+    data = batches(4, world, 1)
+    cfg = {"stage": 2, "chunk_size": 20000, "offload_optimizer": True, "delay_update_after": 1}
+    host = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
+    train(host, data, rank)
+    tiered = zeroshard.initialize(tiny_gpt2(), make_adamw, disk(cfg))
+    train(tiered, data, rank)
+    return {"diff": max_diff(host.full_state_dict(), tiered.full_state_dict()), **tier_figures(tiered)}
+
+
+@scenario
+def disk_nonfinite_skip(rank, world):
+    """A NaN gradient on one rank (config nonfinite='skip') skips the step on every rank: the tier's
+    records are not touched, and training goes on as with the host tier."""
+    data = batches(4, world, 1)
+    data[1, 0, world - 1, 0] = -1  # marks the last rank's batch of step 1: its loss is made NaN
+    cfg = {"stage": 2, "chunk_size": 20000, "offload_optimizer": True, "nonfinite": "skip"}
+
+    def run(c):
+        e = zeroshard.initialize(tiny_gpt2(), make_sgd, c)
+        train(e, data, rank, loss_fn=_nan_on_negative)
+        return e
+    host, tiered = run(cfg), run(disk(cfg))
+    return {"diff": max_diff(host.full_state_dict(), tiered.full_state_dict()),
+            "skipped": [host.stats()["skipped_steps"], tiered.stats()["skipped_steps"]]}
+
+
+def _nan_on_negative(m, x):
+    """The GPT-2 loss, made NaN for a batch holding a negative token id (then replaced by 0)."""
+    bad = bool((x < 0).any())
+    loss = m(input_ids=x.clamp(min=0), labels=x.clamp(min=0)).loss
+    return loss * float("nan") if bad else loss
+
+
+def _shared_root(rank, world) -> str:
+    root = tempfile.mkdtemp(prefix="zeroshard-ckpt-") if rank == 0 else None
+    return every_rank(root)[0]
+
+
+@scenario
+def disk_checkpoint_round_trips(rank, world):
+    """Saved by a disk-tier run after 2 of 4 steps, loaded by a disk-tier, a host-tier and a
+    device-only run at another stage, each finishing the 4 steps: all equal the uninterrupted
+    run. And back: a host-tier checkpoint loaded by a disk-tier run."""
+    data = batches(4, world, 1)
+    cfg = {"stage": 2, "chunk_size": 20000}
+    root = _shared_root(rank, world)
+    whole = zeroshard.initialize(tiny_gpt2(), make_adamw, disk(cfg))
+    train(whole, data[:2], rank)
+    whole.save_checkpoint(root, tag="from_disk")
+    train(whole, data[2:], rank)
+    want = whole.full_state_dict()
+    out = {}
+    for name, c in (("disk", disk({**cfg, "stage": 3})), ("host", {**cfg, "stage": 3, "offload_optimizer": True}),
+                    ("device", {**cfg, "stage": 1})):
+        e = zeroshard.initialize(tiny_gpt2(), make_adamw, c)
+        e.load_checkpoint(root, tag="from_disk")
+        train(e, data[2:], rank)
+        out[name] = max_diff(want, e.full_state_dict())
+        if name == "host":
+            h = zeroshard.initialize(tiny_gpt2(), make_adamw, {**cfg, "offload_optimizer": True})
+            train(h, data[:2], rank)
+            h.save_checkpoint(root, tag="from_host")
+    e = zeroshard.initialize(tiny_gpt2(), make_adamw, disk(cfg))
+    e.load_checkpoint(root, tag="from_host")
+    train(e, data[2:], rank)
+    out["host_to_disk"] = max_diff(want, e.full_state_dict())
+    # a second load into the same disk-tier run (its records already hold states) also lands exactly
+    e.load_checkpoint(root, tag="from_disk")
+    train(e, data[2:], rank)
+    out["reload"] = max_diff(want, e.full_state_dict())
+    every_rank(None)
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
+
+
+def _fault(rank, world, harm) -> dict:
+    """One step, then `harm(engine)` on the last rank, then a second step: what each rank raised."""
+    data = batches(2, world, 1)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, disk({"stage": 2, "chunk_size": 20000}))
+    train(engine, data[:1], rank)
+    if rank == world - 1:
+        harm(engine)
+    return {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank)),
+            "again": error_on_every_rank(lambda: engine.full_state_dict())}
+
+
+def _tier_file(engine, field="exp_avg") -> str:
+    return engine.optim.tier.files[field].path
+
+
+@scenario
+def disk_fault_truncated(rank, world):
+    return _fault(rank, world, lambda e: os.truncate(_tier_file(e), 4096))
+
+
+@scenario
+def disk_fault_removed(rank, world):
+    return _fault(rank, world, lambda e: os.remove(_tier_file(e, "master")))
+
+
+@scenario
+def disk_fault_changed(rank, world):
+    def flip(e):  # one byte of the first record's payload, past its 4 KiB header
+        with open(_tier_file(e), "r+b") as f:
+            f.seek(4096 + 10)
+            b = f.read(1)
+            f.seek(4096 + 10)
+            f.write(bytes([b[0] ^ 0xFF]))
+    return _fault(rank, world, flip)
+
+
+@scenario
+def disk_fault_full(rank, world):
+    import zeroshard.files.tier_files as tf
+
+    def fill(e):
+        def full(fd, buffers, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        tf.os = _OsWith(pwritev=full)
+    try:
+        return _fault(rank, world, fill)
+    finally:
+        tf.os = os
+
+
+class _OsWith:
+    """`os` with some functions replaced (a full disk, for the tier's writes only)."""
+
+    def __init__(self, **replaced):
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+@scenario
+def disk_unusable_directory(rank, world):
+    """offload_dir that is a file on one rank: TierFileError at initialize on every rank."""
+    blocker = os.path.join(tier_dir(), "not-a-directory")
+    with open(blocker, "w") as f:
+        f.write("x")
+    d = os.path.join(blocker, "tier") if rank == world - 1 else tier_dir()
+    return {"raised": error_on_every_rank(lambda: zeroshard.initialize(
+        tiny_gpt2(), make_adamw, disk({"stage": 2, "chunk_size": 20000}, d)))}
+
+
+@scenario
+def disk_files_removed_with_the_engine(rank, world):
+    d = tier_dir()
+    e = zeroshard.initialize(tiny_gpt2(), make_adamw, disk({"stage": 3, "chunk_size": 20000}, d))
+    train(e, batches(1, world, 1), rank)
+    during = sorted(os.listdir(d))
+    del e
+    import gc
+    gc.collect()
+    return {"during": during, "after": sorted(os.listdir(d))}
+
+
+def run(rank, world, out_path):
+    record(rank, out_path, [(name, functools.partial(fn, rank, world)) for name, fn in SCENARIOS.items()],
+           traceback_limit=-3)
+
+
+RESULTS = WorldResults(run, "disk")

@@ -1,0 +1,122 @@
+"""The disk tier (issue 33, config offload_optimizer='disk', runtime/disk_tier.py).
+
+Equality: a disk-tier run equals the same run with offload_optimizer=True bit for bit, at stages
+1-3, fp32/bf16/fp16, with accumulation, clipping, the delayed update and a skipped non-finite step:
+the host step performs the same operations on the same values, which only come from and go to
+files between steps. Checkpoints of a disk-tier run load into host-tier and device-only runs and
+back, exactly. Failures raise TierFileError on every rank (the failing rank's, and one naming it).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from disk_scenarios import CASES, RESULTS  # noqa: F401 -- RESULTS is read by the `res` fixture
+from distributed import free_port, ok
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_disk_tier_trains_what_the_host_tier_trains(res, case, stage):  # noqa: F811
+    r, world = res
+    got = ok(r, f"disk_{case}_stage{stage}")
+    assert got["diff"] == 0.0, got["diff"]
+    assert len(set(got["digests"])) == 1  # every rank holds the same model
+    moved = got["disk_tier"]  # the last step really read and wrote the records
+    assert moved["read_bytes"] > 0 and moved["written_bytes"] == moved["read_bytes"], moved
+    by = got["by_device"]
+    # The host keeps no master and no optimizer state of its own: what the host tier keeps there
+    # (12 bytes per owned element with Adam, 8 with SGD) is on disk instead (records span the
+    # owned range, padding included: up to a few percent more).
+    moved_out = got["host_bytes"]["host"] - by["host"]
+    assert moved_out > 0 and moved_out <= by["disk"] <= 1.05 * moved_out, (by, got["host_bytes"])
+    assert {f.split(".")[-2] for f in got["files"] if f.endswith(".tier")} >= {"master"}
+    if "vs_ref" in got:
+        assert got["vs_ref"] <= (1e-5 if "sgd" in case else 3e-5)
+
+
+def test_disk_tier_under_the_delayed_update(res):  # noqa: F811
+    r, _ = res
+    assert ok(r, "disk_delayed_update")["diff"] == 0.0
+
+
+def test_a_skipped_nonfinite_step_is_skipped_alike(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_nonfinite_skip")
+    assert got["skipped"] == [1, 1] and got["diff"] == 0.0, got
+
+
+def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_checkpoint_round_trips")
+    assert got == {"disk": 0.0, "host": 0.0, "device": 0.0, "host_to_disk": 0.0, "reload": 0.0}, got
+
+
+@pytest.mark.parametrize("fault, needle", [("truncated", "short read|truncated"), ("removed", "removed"),
+                                           ("changed", "checksum"), ("full", "disk is full")])
+def test_a_broken_tier_raises_on_every_rank(res, fault, needle):  # noqa: F811
+    r, world = res
+    got = ok(r, f"disk_fault_{fault}")
+    raised = got["raised"]
+    assert all(e.startswith("TierFileError") for e in raised), raised
+    import re
+    assert re.search(needle, raised[-1]), raised[-1]  # the rank whose file was harmed says what happened
+    assert all(f"rank {world - 1}" in e for e in raised[:-1]), raised  # the others name it
+    # the states are not used again: every later read raises too
+    assert all(e.startswith("TierFileError") and "earlier step" in e for e in got["again"]), got["again"]
+
+
+def test_an_unusable_offload_dir_is_named_on_every_rank(res):  # noqa: F811
+    r, world = res
+    raised = ok(r, "disk_unusable_directory")["raised"]
+    assert all(e.startswith("TierFileError") for e in raised), raised
+    assert "offload_dir" in raised[-1] and all(f"rank {world - 1}" in e for e in raised[:-1]), raised
+
+
+def test_the_tier_files_go_with_the_engine(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_files_removed_with_the_engine")
+    assert any(f.endswith(".tier") for f in got["during"]) and got["after"] == [], got
+
+
+def test_files_are_removed_at_exit_and_a_killed_runs_are_reclaimed(tmp_path):
+    """A normal exit removes the tier's files; a run killed with SIGKILL leaves them, and the next
+    engine using the directory reclaims them, saying so."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import zeroshard
+        from models import batches, make_adamw, tiny_gpt2, train
+        e = zeroshard.initialize(tiny_gpt2(), make_adamw, {{"stage": 2, "chunk_size": 20000,
+                                 "offload_optimizer": "disk", "offload_dir": {str(tmp_path)!r}}})
+        train(e, batches(1, 1, 1), 0)
+        print(len([f for f in os.listdir({str(tmp_path)!r}) if f.endswith(".tier")]), flush=True)
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) >= 3, done.stderr[-2000:]
+    assert os.listdir(tmp_path) == []
+    killed = subprocess.run([sys.executable, "-c", script, "kill"], capture_output=True, text=True, env=env)
+    assert killed.returncode == -9
+    left = sorted(os.listdir(tmp_path))
+    assert any(f.endswith(".tier") for f in left) and any(f.endswith(".lease") for f in left), left
+    again = subprocess.run([sys.executable, "-c", script, "exit"], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stderr.count("reclaiming the disk tier file") == len([f for f in left if f.endswith(".tier")])
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"stage": 2, "offload_optimizer": "disk"}, "needs offload_dir"),
+    ({"stage": 2, "offload_optimizer": True, "offload_dir": "/x"}, "needs offload_optimizer='disk'"),
+    ({"stage": 2, "offload_optimizer": "nvme", "offload_dir": "/x"}, "offload_optimizer"),
+])
+def test_disk_tier_config_errors(cfg, needle):
+    import zeroshard
+    with pytest.raises(ValueError, match=needle):
+        zeroshard.Config(**cfg)

@@ -1,0 +1,299 @@
+"""The disk tier (ZeRO-Infinity's NVMe offload, config offload_optimizer="disk"): the fp32 masters
+and optimizer states of disk-tier chunks live in files, and pass through a few host slots.
+
+Words (record, field, slot, adopted, open: docs/vocabulary.md):
+- a chunk's *record* is its owned range's values in each *field*: "master" (fp32) and each
+  elementwise optimizer state (exp_avg, momentum_buffer, ...: named and typed by the optimizer the
+  first time it stores one). Each field is one TierFile (files/tier_files.py), one record per
+  disk-tier chunk, of its owned range's length.
+- a *slot* is a set of aligned host buffers, one per field, each the size of the largest record:
+  the tier has a few (config: 4), whatever the model's size. A chunk is *open* while its record is
+  in a slot and bound: its master (Chunk.bind_master) and, through the binder the optimizer sets,
+  its optimizer states are views of the slot. Closing writes the record behind (or not, when
+  only read) and unbinds it; the slot is free again once the writes are on disk.
+- a chunk is *adopted* at its first open: until then its master is host memory as with
+  offload_optimizer=True (built, filled, re-packed and loaded as that is); the first open copies it
+  into the slot and lets the host memory go. The optimizer's first step opens every disk-tier chunk
+  in turn, so from then on the tier holds them all.
+
+The optimizer's step opens chunk i while chunk i+1 (and i+2) are read ahead and chunk i-1 is
+written behind, so the step waits on the disk only where the disk is slower than the CPU Adam.
+Every other reader and writer of a master (checkpoints, state dicts, exports, loads) opens the
+chunk for as long as it needs it (Chunk.master_values). Records are verified when read
+(tier_files.py); any failure is TierFileError.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import os
+import time
+
+import torch
+
+from ..errors import TierFileError, invariant
+from ..files.tier_files import TierFile, aligned_buffer, reclaim_stale
+
+MASTER = "master"
+_TIERS = itertools.count()  # this process's tiers: each names its files apart (two engines, one offload_dir)
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    READING = "reading"  # a read-ahead in flight
+    OPEN = "open"  # bound to its chunk
+    WRITING = "writing"  # written behind; free once the writes are done
+
+
+class Slot:
+    """One chunk's record in host memory: a buffer per field (grown as fields appear)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.buffers: dict[str, tuple[memoryview, torch.Tensor]] = {}  # field -> (bytes, its uint8 tensor)
+        self.state = SlotState.FREE
+        self.chunk = None
+        self.record = -1
+        self.pending = []  # futures of the reads or writes in flight
+        self.present: set[str] = set()  # fields holding the record's values
+        self.unsaved = False  # holds values the disk does not have yet (a chunk's first open)
+
+    def buffer(self, name: str, nbytes: int) -> memoryview:
+        if name not in self.buffers:
+            raw = aligned_buffer(nbytes)
+            self.buffers[name] = (raw, torch.frombuffer(raw, dtype=torch.uint8))
+        return self.buffers[name][0]
+
+
+class DiskTier:
+    """The records of the disk-tier chunks of one rank, in `directory`.
+
+    attach(chunks) names the chunks (before the first open; again after a re-pack); the binder
+    (set_binder) binds and unbinds the optimizer's states of a chunk as it is opened and closed."""
+
+    def __init__(self, directory: str, rank: int, slots: int = 4, threads: int = 2):
+        if slots < 2:
+            raise ValueError("zeroshard: the disk tier needs at least 2 slots")
+        self.directory = directory
+        self.rank = rank
+        self.name = f"rank{rank}.{os.getpid()}-{next(_TIERS)}"
+        reclaim_stale(directory)
+        TierFile(directory, f"{self.name}.probe", [1], threads=1).close()  # usable? TierFileError now, not later
+        self.threads = threads
+        self.slots = [Slot(i) for i in range(slots)]
+        self.files: dict[str, TierFile] = {}
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.record_of: dict[int, int] = {}  # id(chunk) -> its record
+        self.numels: list[int] = []  # elements of each record
+        self.adopted: set[int] = set()  # records whose values live in the tier
+        self.slot_of: dict[int, Slot] = {}  # record -> the slot it is in (reading, open or writing)
+        self._bind = self._unbind = lambda c, view: None
+        self.failed: Exception | None = None  # a failure that left the records inconsistent
+        # seconds the caller waited for reads / for a slot (writes to finish); bytes moved
+        self.read_wait_s = self.write_wait_s = 0.0
+        self.read_bytes = self.written_bytes = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def attach(self, chunks) -> None:
+        """The disk-tier chunks, trainable or not (a frozen one is adopted if thawed). Refused once
+        any is adopted: the records' sizes are fixed from then on."""
+        if self.adopted:
+            raise RuntimeError("zeroshard: the disk tier's chunks cannot change once it holds their states")
+        self.close()
+        self.record_of = {id(c): i for i, c in enumerate(chunks)}
+        self.numels = [c.owned_range[1] - c.owned_range[0] for c in chunks]
+        self.dtypes = {}
+        self._field(MASTER, torch.float32)
+
+    def set_binder(self, bind, unbind) -> None:
+        """bind(chunk, view) after a chunk is opened, unbind(chunk, view) before it is closed;
+        view(name, dtype) is the chunk's values of a field in its slot (a new field is created)."""
+        self._bind, self._unbind = bind, unbind
+
+    def adopted_chunk(self, c) -> bool:
+        """Whether chunk c's values are in the tier (else its master is host memory)."""
+        return self.record_of.get(id(c), -1) in self.adopted
+
+    def adopt(self, c) -> None:
+        """Move chunk c's master into the tier now (as its first step would)."""
+        if not self.adopted_chunk(c):
+            self.open(c)
+            self.close(c)
+
+    def field(self, c, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Open chunk c's values of field `name` (created if new: what a load writes)."""
+        slot = self.slot_of.get(self.record_of[id(c)])
+        invariant(slot is not None and slot.state is SlotState.OPEN, lambda: f"chunk {c.index}'s record is not open")
+        return self._view(slot, name, dtype)
+
+    def _field(self, name: str, dtype: torch.dtype) -> None:
+        if name in self.dtypes:
+            if self.dtypes[name] != dtype:
+                raise TierFileError(f"zeroshard: the disk tier stores {name!r} as {self.dtypes[name]}; the optimizer "
+                                    f"now gives it as {dtype}")
+            return
+        size = torch.tensor([], dtype=dtype).element_size()
+        self.files[name] = TierFile(self.directory, f"{self.name}.{name}.tier", [n * size for n in self.numels],
+                                    threads=self.threads)
+        self.dtypes[name] = dtype
+
+    def _view(self, slot: Slot, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A field of the slot's record as a 1-D tensor of its elements (created if new)."""
+        self._field(name, dtype)
+        n = self.numels[slot.record]
+        size = torch.tensor([], dtype=dtype).element_size()
+        slot.buffer(name, max(self.numels) * size)
+        slot.present.add(name)
+        return slot.buffers[name][1][:n * size].view(dtype)
+
+    # -- slots ----------------------------------------------------------------------------------
+    def _finish(self, slot: Slot) -> None:
+        """Wait for the slot's I/O: READING -> OPEN-able, WRITING -> FREE."""
+        pending, slot.pending = slot.pending, []
+        t0 = time.perf_counter()
+        try:
+            for f in pending:
+                f.result()
+        finally:
+            waited = time.perf_counter() - t0
+            if slot.state is SlotState.WRITING:
+                self.write_wait_s += waited
+                self.slot_of.pop(slot.record, None)
+                slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
+            else:
+                self.read_wait_s += waited
+
+    def _free_slot(self, block: bool) -> Slot | None:
+        for s in self.slots:
+            if s.state is SlotState.FREE:
+                return s
+        writing = [s for s in self.slots if s.state is SlotState.WRITING]
+        done = [s for s in writing if all(f.done() for f in s.pending)]
+        if done or (writing and block):
+            s = (done or writing)[0]
+            self._finish(s)
+            return s
+        if block:
+            raise RuntimeError("zeroshard: every disk tier slot is open or reading: too many chunks open at once")
+        return None
+
+    def _start_read(self, slot: Slot, c) -> None:
+        record = self.record_of[id(c)]
+        slot.state, slot.chunk, slot.record, slot.present = SlotState.READING, c, record, set()
+        self.slot_of[record] = slot
+        for name, f in self.files.items():
+            if f.generations[record]:  # a field this chunk has (a state it never had is not read)
+                dtype = self.dtypes[name]
+                view = self._view(slot, name, dtype)
+                slot.pending.append(f.read(record, slot.buffers[name][0]))
+                self.read_bytes += view.numel() * view.element_size()
+
+    def read_ahead(self, c) -> None:
+        """Start reading adopted chunk c's record into a free slot, if one is free now (never waits)."""
+        record = self.record_of.get(id(c))
+        if record is None or record not in self.adopted or record in self.slot_of:
+            return
+        slot = self._free_slot(block=False)
+        if slot is not None:
+            self._start_read(slot, c)
+
+    # -- open / close ----------------------------------------------------------------------------
+    def fail(self, e: Exception) -> None:
+        """A step failed part way: the records no longer hold one step's values; every later open
+        raises (the last checkpoint is what to resume from)."""
+        self.failed = self.failed or e
+
+    def open(self, c) -> None:
+        """Bind chunk c's record: its master and (the binder) its optimizer states are slot views
+        until close(c)."""
+        if self.failed is not None:
+            raise TierFileError(f"zeroshard: the disk tier failed in an earlier step ({self.failed}): its states are "
+                                "lost; resume from the last checkpoint")
+        record = self.record_of[id(c)]
+        slot = self.slot_of.get(record)
+        if slot is not None and slot.state is SlotState.OPEN:
+            raise RuntimeError(f"zeroshard: chunk {c.index}'s disk tier record is open already")
+        if slot is not None and slot.state is SlotState.WRITING:
+            self._finish(slot)  # on disk now: read back below (verified, as any other read)
+            slot = None
+        if record not in self.adopted:  # its first open: from host memory into the tier
+            slot = self._free_slot(block=True)
+            slot.state, slot.chunk, slot.record, slot.present = SlotState.OPEN, c, record, set()
+            self.slot_of[record] = slot
+            view = self._view(slot, MASTER, torch.float32)
+            view.copy_(c.master.detach())
+            slot.unsaved = True
+            self.adopted.add(record)
+        else:
+            if slot is None:
+                slot = self._free_slot(block=True)
+                self._start_read(slot, c)
+            self._finish(slot)
+            slot.state = SlotState.OPEN
+        c.bind_master(self._view(slot, MASTER, torch.float32))
+        self._bind(c, lambda name, dtype: self._view(slot, name, dtype))
+
+    def close(self, c=None, write: bool = True) -> None:
+        """Unbind chunk c and write its record behind (`write`: it may have changed). close() with
+        no chunk: wait for all I/O and remove the files (the job's normal end)."""
+        if c is None:
+            for s in self.slots:
+                with contextlib.suppress(TierFileError):
+                    self._finish(s)
+            for f in self.files.values():
+                f.close()
+            self.files, self.adopted, self.slot_of = {}, set(), {}
+            for s in self.slots:
+                s.state, s.chunk, s.record = SlotState.FREE, None, -1
+            return
+        record = self.record_of[id(c)]
+        slot = self.slot_of.get(record)
+        invariant(slot is not None and slot.state is SlotState.OPEN, lambda: f"chunk {c.index} closed but not open")
+        try:
+            self._unbind(c, lambda name, dtype: self._view(slot, name, dtype))
+        finally:
+            c.bind_master(None)
+        if not (write or slot.unsaved):
+            self.slot_of.pop(record)
+            slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
+            return
+        slot.state, slot.unsaved = SlotState.WRITING, False
+        for name in sorted(slot.present):
+            nbytes = self.numels[record] * self.dtypes[name].itemsize
+            slot.pending.append(self.files[name].write(record, slot.buffers[name][0][:nbytes]))
+            self.written_bytes += nbytes
+
+    def flush(self) -> None:
+        """Wait until every record written is on disk (TierFileError if a write failed)."""
+        for s in self.slots:
+            if s.state is SlotState.WRITING:
+                self._finish(s)
+
+    @contextlib.contextmanager
+    def opened(self, c, write: bool, adopt: bool = False):
+        """Chunk c open for the block; written back after it when `write`. Not adopted yet: its
+        master is host memory, used as it is, unless `adopt` (the optimizer's step)."""
+        record = self.record_of.get(id(c))
+        if record is None or (record not in self.adopted and not adopt):
+            yield
+            return
+        self.open(c)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.close(c, write=write and ok)
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of the records written so far (payloads, not headers)."""
+        return sum(sum(n for n, g in zip(f.sizes, f.generations) if g) for f in self.files.values())
+
+    def buffer_bytes(self) -> int:
+        """Host bytes of the slots' buffers."""
+        return sum(len(raw) for s in self.slots for raw, _ in s.buffers.values())
+
+    def reset_counters(self) -> None:
+        self.read_wait_s = self.write_wait_s = 0.0
+        self.read_bytes = self.written_bytes = 0
