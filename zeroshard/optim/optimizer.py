@@ -35,30 +35,21 @@ its stage-3 gather), not all before the forward starts.
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
-import threading
 
 import torch
 
-from ..runtime.offload import fold_host_grad
-from ..errors import DivergedError, NonFiniteError, PeerLostError, TierFileError, invariant
+from ..errors import NonFiniteError, TierFileError
 from .grad_agreement import agree_grads, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
 from .tiered_states import TieredStates, agree_on_tier
+from .delayed_update import DelayedUpdate, UpdateState
 
 
-class UpdateState(enum.Enum):
-    """The delayed update's lifecycle (see the module docstring)."""
-
-    IDLE = "idle"
-    IN_FLIGHT = "in flight"
-
-
-class ShardedOptimizer:
+class ShardedOptimizer(DelayedUpdate):
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
@@ -350,91 +341,6 @@ class ShardedOptimizer:
         for c in self.chunks:
             c.await_arrival()  # a delayed update's upload into the shard the gather reads
             c.expect_arrival(self.shards.all_gather_owned(c.full, async_op=True))
-
-    # -- the delayed update (DPU) -----------------------------------------------------------------
-    def _launch(self) -> None:
-        """IDLE -> IN_FLIGHT: hand this step's gradients to a background thread that steps the
-        masters and writes the 16-bit result into staging; `land()` publishes it."""
-        invariant(self.update is UpdateState.IDLE, lambda: f"a delayed update launched in {self.update}")
-        self._state_bytes_at_launch = self.state_bytes()
-        for c in self.chunks:  # pinned allocation takes seconds per GiB: once, here, not in the next forward
-            if id(c) not in self._delay_staging:
-                self._delay_staging[id(c)] = [c.transfer.host_empty(c.owned_numel, self.dtype).zero_(), None]
-        grads = [c.take_host_grad() for c in self.chunks]
-        if self.shards.hybrid:  # summed across the groups here, in chunk order, as step() does
-            grads = [(g, None) for g in sum_across(self.shards, self.chunks, [fold_host_grad(h, p) for h, p in grads])]
-        seen = self._grads_seen()
-        # By value: an LR scheduler changes a tensor lr in place, possibly while the thread runs.
-        hyper = [{k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
-                 for g in self.optimizer.param_groups]
-        inv = self._inv_scale()
-        self.update = UpdateState.IN_FLIGHT
-        # Not a daemon: one killed inside a torch kernel at interpreter exit aborts the process;
-        # exit waits for the last update instead.
-        self._thread = threading.Thread(target=self._run_delayed, args=(grads, seen, hyper, inv), daemon=False,
-                                        name="zeroshard-delayed-update")
-        self._thread.start()
-
-    def _run_delayed(self, grads, seen, hyper, inv: float) -> None:
-        """The background thread: everything of one host step but the upload."""
-        try:
-            if self.comm.device.type == "cuda":  # a new thread starts on device 0
-                torch.cuda.set_device(self.comm.device)
-            with torch.no_grad():
-                opt = self.optimizer
-                # A view of the optimizer with its own param groups (hyperparameters as at step());
-                # it shares the state and every other attribute, changed ones are copied back on landing.
-                view = object.__new__(type(opt))
-                view.__dict__.update(opt.__dict__)
-                view.param_groups = [dict(h, params=list(g["params"])) for h, g in zip(hyper, opt.param_groups)]
-                before = dict(view.__dict__)
-
-                def to_staging(c, target):
-                    if not self._all_copied(c, view):
-                        target.copy_(c.master)
-
-                outcome = self._update([fold_host_grad(h, p) for h, p in grads], seen, inv, self.side_comm, view,
-                                       self._delay_target, to_staging)
-                changed = {k: v for k, v in view.__dict__.items()
-                           if k != "param_groups" and before.get(k, view) is not v}
-                self._outcome = (*outcome, changed)
-        except BaseException as e:  # re-raised in the main thread by land()
-            self._outcome = e
-
-    def _delay_target(self, c) -> torch.Tensor:
-        """Chunk c's host staging buffer in the compute dtype, once the upload that last read it is
-        done (called in the background thread: it waits, the main thread does not)."""
-        slot = self._delay_staging[id(c)]
-        if slot[1] is not None:
-            slot[1].sync()
-            slot[1] = None
-        return slot[0]
-
-    def land(self) -> bool | None:
-        """IN_FLIGHT -> IDLE: wait for the delayed update and publish it (upload each chunk's new
-        16-bit shard; at stages 1-2, all-gather it). Returns whether it was applied (False: fp16
-        overflow skipped it), or None when no update was in flight."""
-        if self.update is UpdateState.IDLE:
-            return None
-        self._thread.join()
-        self._thread, outcome, self._outcome = None, self._outcome, None
-        self.update = UpdateState.IDLE
-        if isinstance(outcome, (PeerLostError, DivergedError)):  # named already, for every rank alike
-            raise outcome
-        if isinstance(outcome, BaseException):
-            raise RuntimeError("zeroshard: the delayed optimizer step failed in its background thread: "
-                               f"{type(outcome).__name__}: {outcome}") from outcome
-        applied, overflow, norm, changed = outcome
-        self.optimizer.__dict__.update(changed)
-        self._account(applied, overflow, norm)
-        if not applied:
-            return False
-        self.applied_updates += 1
-        for c in self.chunks:
-            slot = self._delay_staging[id(c)]
-            slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
-        self._gather_updated()
-        return True
 
     def await_arrivals(self) -> None:
         """Wait for every chunk still arriving (uploads of a landed update, all-gathers of an update:
