@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import torch
+
 import zeroshard
 from distributed import WorldResults, error_on_every_rank, every_rank, record
 from models import batches, digest, make_adamw, make_sgd, max_diff, reference, tiny_gpt2, train
@@ -102,6 +104,44 @@ def _nan_on_negative(m, x):
     bad = bool((x < 0).any())
     loss = m(input_ids=x.clamp(min=0), labels=x.clamp(min=0)).loss
     return loss * float("nan") if bad else loss
+
+
+class _UsedBackwards(torch.nn.Module):
+    """Layers listed in the reverse of their use: the engine re-packs its chunks in order of first
+    use after the first micro-batch (the masters come back from the tier into new chunks)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c, self.b, self.a = (torch.nn.Linear(24, 24) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).pow(2).mean()
+
+
+@scenario
+def disk_repacked_and_thawed(rank, world):
+    """A re-pack after the first micro-batch, and a layer frozen at initialize and unfrozen after
+    the first step: the disk tier trains what the host tier trains."""
+    x = torch.randn(4, world, 6, 24, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name in ("repack", "thaw"):
+        sds = []
+        for cfg in ({"offload_optimizer": True}, disk({})):
+            m = _UsedBackwards()
+            if name == "thaw":
+                m.b.requires_grad_(False)
+            e = zeroshard.initialize(m, make_sgd, {"stage": 2, "chunk_size": 600, **cfg})
+            for k in range(4):
+                if name == "thaw" and k == 1:
+                    m.b.requires_grad_(True)
+                e.backward(e(x[k, rank]))
+                e.step()
+            sds.append(e.full_state_dict())
+            first = e.chunks[0].slots[0].name
+        out[name] = max_diff(*sds)
+        out[f"{name}_first_packed"] = first
+    return out
 
 
 def _shared_root(rank, world) -> str:

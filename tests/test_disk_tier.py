@@ -48,6 +48,13 @@ def test_a_skipped_nonfinite_step_is_skipped_alike(res):  # noqa: F811
     assert got["skipped"] == [1, 1] and got["diff"] == 0.0, got
 
 
+def test_a_repack_and_a_thaw_move_masters_through_the_tier(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_repacked_and_thawed")
+    assert got["repack_first_packed"] == "a.weight"  # it did re-pack, in order of first use
+    assert got["repack"] == 0.0 and got["thaw"] == 0.0, got
+
+
 def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: F811
     r, _ = res
     got = ok(r, "disk_checkpoint_round_trips")

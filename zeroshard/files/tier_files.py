@@ -30,6 +30,7 @@ import os
 import socket
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -93,13 +94,44 @@ def reclaim_stale(directory: str) -> list[str]:
     return removed
 
 
+class IoMeter:
+    """Seconds during which at least one read (write) was in flight, over every file that shares
+    this meter: bytes moved over those seconds is the bandwidth the disk gave (threads overlapping
+    count once)."""
+
+    def __init__(self):
+        self.busy_s = {"read": 0.0, "write": 0.0}
+        self._inflight = {"read": 0, "write": 0}
+        self._since = {"read": 0.0, "write": 0.0}
+        self._lock = threading.Lock()
+
+    def begin(self, what: str) -> None:
+        with self._lock:
+            if not self._inflight[what]:
+                self._since[what] = time.perf_counter()
+            self._inflight[what] += 1
+
+    def end(self, what: str) -> None:
+        with self._lock:
+            self._inflight[what] -= 1
+            if not self._inflight[what]:
+                self.busy_s[what] += time.perf_counter() - self._since[what]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.busy_s = {"read": 0.0, "write": 0.0}
+
+
 class TierFile:
     """Records 0..len(sizes)-1 of `sizes[i]` bytes each, in `directory`/`name`.
 
     `write(i, data)` and `read(i, into)` return futures (`.result()` raises TierFileError); one
     record is never read and written at once (the caller orders its uses of a record)."""
 
-    def __init__(self, directory: str, name: str, sizes: list[int], threads: int = 2):
+    def __init__(self, directory: str, name: str, sizes: list[int], threads: int = 2, meter: IoMeter | None = None,
+                 pool: ThreadPoolExecutor | None = None):
+        """threads: the I/O threads of its own pool, unless it shares `pool` (several files on one
+        disk: the threads, not the files, set how many requests the disk sees at once)."""
         self.path = os.path.join(directory, name)
         self.lease = self.path + ".lease"
         self.sizes = list(sizes)
@@ -109,6 +141,7 @@ class TierFile:
             offset += ALIGN + _round_up(n)
         self.nbytes = offset
         self.generations = [0] * len(self.sizes)  # of the last write of each record; 0: none yet
+        self.meter = meter or IoMeter()
         self._lock = threading.Lock()
         try:
             os.makedirs(directory, exist_ok=True)
@@ -124,7 +157,8 @@ class TierFile:
         except OSError as e:
             raise TierFileError(f"zeroshard: cannot use the disk tier's directory {directory!r} "
                                 f"({e.strerror or e}): set offload_dir to a writable directory") from e
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier")
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier")
         self.closed = False
 
     def _take_lease(self) -> None:
@@ -201,22 +235,26 @@ class TierFile:
         return buf
 
     def _io(self, call, buffers, offset: int, expected: int, index: int, what: str) -> None:
+        self.meter.begin(what)
         try:
             done = call(self.fd, buffers, offset)
         except OSError as e:
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             raise TierFileError(f"zeroshard: {what} of record {index} of {self.path} failed: "
                                 + ("the disk is full" if full else (e.strerror or str(e)))) from e
+        finally:
+            self.meter.end(what)
         if done != expected:
             raise TierFileError(f"zeroshard: short {what} of record {index} of {self.path} ({done} of {expected} "
                                 f"bytes): the file was truncated or removed under this job, or the disk is full")
 
     def close(self) -> None:
-        """Wait for the I/O in flight, then remove the file and the lease."""
+        """Wait for the I/O in flight (a shared pool: its owner waits), then remove the file and the lease."""
         if self.closed:
             return
         self.closed = True
-        self._pool.shutdown(wait=True)
+        if self._own_pool:
+            self._pool.shutdown(wait=True)
         os.close(self.fd)
         for path in (self.path, self.lease):
             try:

@@ -100,16 +100,18 @@ class ShardedOptimizer(DelayedUpdate):
         only what it made when built), so re-packing chunks only swaps the tensors it updates."""
         self.chunks = [c for c in chunks if c.trainable]
         pieces = [pc for c in self.chunks for pc in c.pieces]
-        if self.tier is not None:
-            on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
-            self.tier.attach(on_disk)
-            for c in on_disk:
-                c.keep_master_in(self.tier)
         if self.optimizer is None:
             self.optimizer = self.groups.build(pieces)
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
+        if self.tier is not None:  # the masters go to disk now: host memory holds a few at a time from here on
+            on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
+            self.tier.attach(on_disk)
+            for c in on_disk:
+                c.keep_master_in(self.tier)
+                if c.trainable:
+                    self.tier.adopt(c)
 
     def adopt(self, chunks, thawed) -> None:
         """Start stepping the chunks in `thawed`, made trainable since the optimizer was built
@@ -121,6 +123,9 @@ class ShardedOptimizer(DelayedUpdate):
         self.chunks = [c for c in chunks if c.trainable]
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
+        for c in thawed:
+            if c.tier is not None:
+                c.tier.adopt(c)
 
     @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:

@@ -12,9 +12,10 @@ Words (record, field, slot, adopted, open: docs/vocabulary.md):
   its optimizer states are views of the slot. Closing writes the record behind (or not, when
   only read) and unbinds it; the slot is free again once the writes are on disk.
 - a chunk is *adopted* at its first open: until then its master is host memory as with
-  offload_optimizer=True (built, filled, re-packed and loaded as that is); the first open copies it
-  into the slot and lets the host memory go. The optimizer's first step opens every disk-tier chunk
-  in turn, so from then on the tier holds them all.
+  offload_optimizer=True; the first open copies it into the slot and lets the host memory go. The
+  optimizer adopts every disk-tier chunk once the chunks are built and filled (and again after a
+  re-pack, and a chunk unfrozen later when it is thawed), so host memory holds every master only
+  while the chunks are being built.
 
 The optimizer's step opens chunk i while chunk i+1 (and i+2) are read ahead and chunk i-1 is
 written behind, so the step waits on the disk only where the disk is slower than the CPU Adam.
@@ -29,11 +30,12 @@ import enum
 import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..errors import TierFileError, invariant
-from ..files.tier_files import TierFile, aligned_buffer, reclaim_stale
+from ..files.tier_files import IoMeter, TierFile, aligned_buffer, reclaim_stale
 
 MASTER = "master"
 _TIERS = itertools.count()  # this process's tiers: each names its files apart (two engines, one offload_dir)
@@ -80,7 +82,6 @@ class DiskTier:
         self.name = f"rank{rank}.{os.getpid()}-{next(_TIERS)}"
         reclaim_stale(directory)
         TierFile(directory, f"{self.name}.probe", [1], threads=1).close()  # usable? TierFileError now, not later
-        self.threads = threads
         self.slots = [Slot(i) for i in range(slots)]
         self.files: dict[str, TierFile] = {}
         self.dtypes: dict[str, torch.dtype] = {}
@@ -93,14 +94,16 @@ class DiskTier:
         # seconds the caller waited for reads / for a slot (writes to finish); bytes moved
         self.read_wait_s = self.write_wait_s = 0.0
         self.read_bytes = self.written_bytes = 0
+        self.meter = IoMeter()  # the disk's busy seconds, both ways, over every field's file
+        # One pool for every field's file: `threads` requests at the disk at once (bench/disk_io.py: 2)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier")
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, chunks) -> None:
-        """The disk-tier chunks, trainable or not (a frozen one is adopted if thawed). Refused once
-        any is adopted: the records' sizes are fixed from then on."""
-        if self.adopted:
-            raise RuntimeError("zeroshard: the disk tier's chunks cannot change once it holds their states")
-        self.close()
+        """The disk-tier chunks, trainable or not (a frozen one is adopted if thawed). Again after
+        a re-pack (before the optimizer has state): the old chunks' records are dropped, their
+        values having moved into the new chunks."""
+        self._drop_files()
         self.record_of = {id(c): i for i, c in enumerate(chunks)}
         self.numels = [c.owned_range[1] - c.owned_range[0] for c in chunks]
         self.dtypes = {}
@@ -135,7 +138,7 @@ class DiskTier:
             return
         size = torch.tensor([], dtype=dtype).element_size()
         self.files[name] = TierFile(self.directory, f"{self.name}.{name}.tier", [n * size for n in self.numels],
-                                    threads=self.threads)
+                                    meter=self.meter, pool=self.pool)
         self.dtypes[name] = dtype
 
     def _view(self, slot: Slot, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -238,14 +241,8 @@ class DiskTier:
         """Unbind chunk c and write its record behind (`write`: it may have changed). close() with
         no chunk: wait for all I/O and remove the files (the job's normal end)."""
         if c is None:
-            for s in self.slots:
-                with contextlib.suppress(TierFileError):
-                    self._finish(s)
-            for f in self.files.values():
-                f.close()
-            self.files, self.adopted, self.slot_of = {}, set(), {}
-            for s in self.slots:
-                s.state, s.chunk, s.record = SlotState.FREE, None, -1
+            self._drop_files()
+            self.pool.shutdown(wait=True)
             return
         record = self.record_of[id(c)]
         slot = self.slot_of.get(record)
@@ -263,6 +260,17 @@ class DiskTier:
             nbytes = self.numels[record] * self.dtypes[name].itemsize
             slot.pending.append(self.files[name].write(record, slot.buffers[name][0][:nbytes]))
             self.written_bytes += nbytes
+
+    def _drop_files(self) -> None:
+        """Wait for all I/O, then remove every field's file (their values are not needed again)."""
+        for s in self.slots:
+            with contextlib.suppress(TierFileError):
+                self._finish(s)
+        for f in self.files.values():
+            f.close()
+        self.files, self.adopted, self.slot_of = {}, set(), {}
+        for s in self.slots:
+            s.state, s.chunk, s.record = SlotState.FREE, None, -1
 
     def flush(self) -> None:
         """Wait until every record written is on disk (TierFileError if a write failed)."""
@@ -295,5 +303,6 @@ class DiskTier:
         return sum(len(raw) for s in self.slots for raw, _ in s.buffers.values())
 
     def reset_counters(self) -> None:
+        self.meter.reset()
         self.read_wait_s = self.write_wait_s = 0.0
         self.read_bytes = self.written_bytes = 0
