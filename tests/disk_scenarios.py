@@ -144,6 +144,42 @@ def disk_repacked_and_thawed(rank, world):
     return out
 
 
+@scenario
+def disk_auto_plan(rank, world):
+    """offload='auto' with offload_dir and a host_memory cap below what the host tier needs: the
+    plan puts some chunks in the disk tier, and the engine trains the model plain PyTorch trains."""
+    from zeroshard.distributed.collectives import default_device
+    from zeroshard.planning.auto_plan import optimizer_state_bytes
+    from zeroshard.planning.hardware import probe, probe_disk
+    from zeroshard.planning.planner import FRAGMENTATION, Planner, Target
+    data = batches(3, world, 1)
+    ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
+    x = data[0, 0, rank]
+    example = {"input_ids": x, "labels": x}
+    d = tier_dir()
+    read, write = probe_disk(d)
+    hw = probe(default_device(), torch.float32).with_(disk_read=read, disk_write=write)
+    prof = zeroshard.profile(tiny_gpt2(), example, dtype="fp32")
+
+    def planner(device, host):
+        return Planner(prof, Target(hw.with_(device_memory=device, host_memory=host), world=world,
+                                    optimizer_state_bytes=optimizer_state_bytes(make_adamw), disk=True), chunk_size=6000)
+    big = planner(1 << 40, 1 << 40)
+    offloaded = {b.name: b for b in big.baselines()}["ZeRO-3 offload"]
+    device = int(offloaded.device_bytes / FRAGMENTATION) + 1  # only (nearly) everything offloaded fits
+    n = len(offloaded.optimizer_on_host)
+    all_disk = big.evaluate("", 3, offloaded.cache_chunks, [True] * n, [True] * n).host_model_bytes
+    host = int((offloaded.host_model_bytes + all_disk) / 2 / FRAGMENTATION)  # between all on the host and all on disk
+    cfg = {"stage": 3, "offload": "auto", "device_memory": device, "host_memory": host, "offload_dir": d,
+           "chunk_size": 6000}
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg, example_inputs=example)
+    train(engine, data, rank)
+    plan = engine.plan
+    return {"diff": max_diff(engine.full_state_dict(), ref), "disk_chunks": plan.disk_chunks,
+            "offloaded_chunks": plan.offloaded_chunks, "fits": plan.fits, "plan": plan.describe(),
+            "by_device": engine.stats()["model_state_bytes_by_device"], "predicted_disk": plan.disk_model_bytes}
+
+
 def _shared_root(rank, world) -> str:
     root = tempfile.mkdtemp(prefix="zeroshard-ckpt-") if rank == 0 else None
     return every_rank(root)[0]

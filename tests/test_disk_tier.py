@@ -55,6 +55,15 @@ def test_a_repack_and_a_thaw_move_masters_through_the_tier(res):  # noqa: F811
     assert got["repack"] == 0.0 and got["thaw"] == 0.0, got
 
 
+def test_offload_auto_uses_the_disk_only_past_host_memory(res):  # noqa: F811
+    """The planner's side is tests/test_planner.py (no disk while host memory holds everything)."""
+    r, _ = res
+    got = ok(r, "disk_auto_plan")
+    assert got["fits"] and 0 < got["disk_chunks"] <= got["offloaded_chunks"], got["plan"]
+    assert got["diff"] <= 3e-5, got["diff"]  # fp32 AdamW against single-process PyTorch
+    assert got["by_device"]["disk"] == got["predicted_disk"], (got["by_device"], got["predicted_disk"])
+
+
 def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: F811
     r, _ = res
     got = ok(r, "disk_checkpoint_round_trips")

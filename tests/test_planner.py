@@ -189,3 +189,38 @@ def test_opt_175b_chunk_search_wastes_under_4_percent():
     planner = Planner(zeroshard.profile(model, {"input_ids": x, "labels": x}, dtype="bf16", device="cpu"), target)
     assert planner.layout.waste < 0.04
     assert planner.plan().fits
+
+
+def test_the_disk_tier_takes_only_what_host_memory_cannot_hold():
+    """Small chunks (many of them), a device that holds only what ZeRO-3 offload leaves there: with
+    room on the host no chunk goes to disk; with host memory for three quarters of what the host tier needs,
+    the fewest chunks that make it fit go there (each record on disk: 4 + 8 bytes per shard element
+    with Adam), the step pays the I/O the CPU step does not hide; without a disk tier nothing fits."""
+    prof = gpt2_profile()
+    hw = Hardware.described(1 * GIB).with_(reserve=0, disk_read=2e9, disk_write=1e9)
+    chunk = 6000
+
+    def plan(host_memory, disk=True):
+        return Planner(prof, Target(hw.with_(device_memory=device, host_memory=host_memory), world=2, disk=disk),
+                       chunk_size=chunk).plan(stage=3)
+    base = {b.name: b for b in Planner(prof, Target(hw, world=2), chunk_size=chunk).baselines()}
+    device = int(base["ZeRO-3 offload"].device_bytes / 0.95) + 1
+    host_all = base["ZeRO-3 offload"].host_model_bytes
+    roomy = plan(10 * host_all)
+    assert roomy.fits and roomy.offloaded_chunks > 0 and roomy.disk_chunks == 0 and roomy.disk_model_bytes == 0
+    small = int(0.75 * host_all / 0.95)
+    squeezed = plan(small)
+    assert squeezed.fits and 0 < squeezed.disk_chunks < squeezed.offloaded_chunks, squeezed.describe()
+    assert squeezed.host_model_bytes <= 0.95 * small < host_all
+    lay = layout(prof, squeezed.chunk_size, 2)
+    on_disk = [c for c, d in enumerate(squeezed.optimizer_on_disk) if d]
+    assert squeezed.disk_model_bytes == sum(12 * lay.padded[c] // 2 for c in on_disk)
+    assert squeezed.time.disk_io > 0 and squeezed.time.total > roomy.time.total
+    # one chunk fewer on disk would not fit the host: the disk takes no more than it must
+    fewer = Planner(prof, Target(hw.with_(device_memory=device, host_memory=small), world=2, disk=True),
+                    chunk_size=chunk)
+    less = [d for d in squeezed.optimizer_on_disk]
+    less[min(on_disk, key=lambda c: lay.padded[c])] = False
+    assert not fewer.evaluate("", 3, squeezed.cache_chunks, list(squeezed.optimizer_on_host), less).fits_host
+    assert squeezed.placement(on_disk[0], 3).optimizer_on_disk
+    assert not plan(small, disk=False).fits

@@ -76,16 +76,19 @@ class Planned:
     config: Config  # the config that runs: with 'auto', what the plan chose
     plan: object | None  # planner.Plan with 'auto'
     profile: object | None  # profiler.Profile with 'auto'
+    offload_dir: str | None = None  # the disk tier's directory (the plan's, when it places chunks there)
 
 
 def plan(module: nn.Module, optimizer, config: Config, example_inputs, world: World) -> Planned:
     """offload/stage 'auto': profile and plan (its placement per chunk is applied by make_parts)."""
     if not config.planned:
-        return Planned(config, None, None)
+        return Planned(config, None, None, config.offload_dir)
     # Hybrid sharding: model states are split over the shard group, so that is the world planned for.
     chosen, profile = plan_for(module, example_inputs, as_factory(optimizer), config, world.device,
                                world.shards.inside, world.world_comm, leaves=world.leaves)
-    return Planned(dataclasses.replace(config, offload=False, **chosen.config()), chosen, profile)
+    # The config that runs has no offload_dir of its own: the plan's placement says which chunks use it.
+    return Planned(dataclasses.replace(config, offload=False, offload_dir=None, **chosen.config()), chosen, profile,
+                   config.offload_dir)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     reducer = GradientReducer(world.shards, config.stage, config.gradient_accumulation_steps)
     scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
     host = bool(config.offload_optimizer) or (chosen is not None and any(chosen.optimizer_on_host))
-    tier = _disk_tier(config, world) if config.offload_optimizer == "disk" else None
+    on_disk = config.offload_optimizer == "disk" or (chosen is not None and any(chosen.optimizer_on_disk))
+    tier = _disk_tier(planned.offload_dir, world) if on_disk else None
     delayed = config.delay_update_after is not None
     optim = ShardedOptimizer(optimizer or default_optimizer(host=host), world.comm, param_names=model.names,
                              stage=config.stage, dtype=config.dtype, accumulation=config.gradient_accumulation_steps,
@@ -153,13 +157,13 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     return Parts(layout, cache, reducer, scaler, optim)
 
 
-def _disk_tier(config: Config, world: World) -> DiskTier:
+def _disk_tier(directory: str, world: World) -> DiskTier:
     """The disk tier, its directory tried on every rank: one rank's unusable directory raises
     TierFileError on all of them. Its files are named by the rank among every rank (TP peers
     included), so ranks sharing a node's disk never share one."""
     tier, error = None, None
     try:
-        tier = DiskTier(config.offload_dir, world.world_comm.rank)
+        tier = DiskTier(directory, world.world_comm.rank)
     except TierFileError as e:
         error = e
     errors = world.world_comm.all_gather_objects(None if error is None else str(error))

@@ -49,8 +49,12 @@ class Config:
         the optimizer steps on the CPU as with True, but between steps the masters and optimizer
         states live in files in offload_dir, streamed through a few host buffers chunk by chunk
         (runtime/disk_tier.py), so host memory holds a few chunks' states, not the model's.
-    offload_dir: the disk tier's directory (offload_optimizer='disk'): local to the node, on the
-        fastest disk; each rank writes its own files there and removes them at exit.
+    offload_dir: the disk tier's directory (offload_optimizer='disk', or offload='auto', which may
+        then place chunks there): local to the node, on the fastest disk; each rank writes its own
+        files there and removes them at exit.
+    host_memory: bytes of host memory the planner may plan for (offload='auto'; default: the
+        host's RAM), shared by the host's ranks. Chunks whose optimizer states do not fit it go to
+        the disk tier when offload_dir is set.
     offload_params: stage 3 only: the 16-bit parameter shards also live in host memory and are
         uploaded when their chunk is gathered, so the device holds only what the rCache holds.
     offload: 'auto' = Elixir: profile the model, measure the machine, and let the planner choose the
@@ -142,6 +146,7 @@ class Config:
     loss_scale_window: int = 1000
     offload_optimizer: bool | str = False
     offload_dir: str | None = None
+    host_memory: int | None = None
     offload_params: bool = False
     offload_activations: bool = False
     delay_update_after: int | None = None
@@ -224,9 +229,13 @@ class Config:
         if self.offload_optimizer == "disk" and not (isinstance(self.offload_dir, str) and self.offload_dir):
             raise ConfigError("zeroshard config: offload_optimizer='disk' needs offload_dir, a directory on a local "
                               "disk for the tier's files (not tmpfs: that is host memory)")
-        if self.offload_dir is not None and self.offload_optimizer != "disk":
+        if self.offload_dir is not None and self.offload_optimizer != "disk" and not self.planned:
             raise ConfigError("zeroshard config: offload_dir is the disk tier's directory: it needs "
-                              "offload_optimizer='disk'")
+                              "offload_optimizer='disk' (or offload='auto')")
+        if self.offload_dir is not None and not (isinstance(self.offload_dir, str) and self.offload_dir):
+            bad("offload_dir", "a directory (a string)")
+        if self.host_memory is not None and (not is_int(self.host_memory) or self.host_memory < 1):
+            bad("host_memory", "bytes (an integer >= 1), or None for the host's RAM")
         for key in ("prefetch", "check_order", "offload_params", "offload_activations",
                     "cast_forward_inputs", "allow_nonfinite_weights"):
             if not isinstance(getattr(self, key), bool):

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--host-memory", type=size, default=None, help="memory of one host (default 512GiB)")
     h.add_argument("--reserve", type=non_negative_size, default=None, help="memory per GPU the driver and "
                    "runtime keep (default 2GiB for a described GPU)")
+    h.add_argument("--offload-dir", default=None, help="a disk tier in this directory (offload_dir): its disk is "
+                   "measured, and chunks whose optimizer states do not fit --host-memory go there")
+    h.add_argument("--disk-read", type=bandwidth, default=None, help="a disk tier's read bandwidth per host, "
+                   "described instead of measured (with --disk-write)")
+    h.add_argument("--disk-write", type=bandwidth, default=None, help="a disk tier's write bandwidth per host")
     s = p.add_argument_group("search")
     s.add_argument("--stage", choices=("auto", "2", "3"), default="auto", help="restrict the plan to one stage")
     s.add_argument("--no-offload", action="store_true", help="keep every optimizer state on the GPU")

@@ -213,7 +213,23 @@ def example_inputs(loaded: Loaded, args):
 
 # -- the target -----------------------------------------------------------------------------------------------
 def target_hardware(args):
-    """(Hardware, world, words on where the figures come from)."""
+    """(Hardware, world, words on where the figures come from), with the disk tier's figures when
+    one is given (--offload-dir measures it; --disk-read/--disk-write describe it)."""
+    hw, world, words = _target_hardware(args)
+    if args.offload_dir is not None:
+        from ..planning.hardware import probe_disk
+        read, write = probe_disk(args.offload_dir)
+        words += f"; disk tier in {args.offload_dir}, measured"
+        hw = hw.with_(disk_read=read, disk_write=write)
+    if args.disk_read is not None or args.disk_write is not None:
+        if args.disk_read is None or args.disk_write is None:
+            raise UsageError("a described disk tier needs both --disk-read and --disk-write")
+        hw = hw.with_(disk_read=args.disk_read, disk_write=args.disk_write)
+        words += "; disk tier described"
+    return hw, world, words
+
+
+def _target_hardware(args):
     import torch
     from ..planning.hardware import Hardware, probe
     overrides = dict(h2d=args.h2d, d2h=args.d2h, host_adam=args.cpu_adam, device_adam=args.gpu_adam,
@@ -258,4 +274,6 @@ def describe_hardware(hw, world: int) -> str:
             f"{_rate(hw.device_flops, 'FLOP/s')}, h2d {_rate(hw.h2d, 'B/s')}, d2h {_rate(hw.d2h, 'B/s')}, link "
             f"{_rate(hw.link, 'B/s')}, Adam {_rate(hw.device_adam, 'el/s')} on the device and "
             f"{_rate(hw.host_adam, 'el/s')} per host; {hw.gpus_per_host} device(s) and "
-            f"{hw.host_memory / GIB:.0f} GiB per host")
+            f"{hw.host_memory / GIB:.0f} GiB per host"
+            + (f"; disk tier: read {_rate(hw.disk_read, 'B/s')}, write {_rate(hw.disk_write, 'B/s')}"
+               if hw.disk_read else ""))

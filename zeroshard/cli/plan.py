@@ -38,9 +38,11 @@ def cmd_estimate(args) -> int:
     kw = dict(precision=args.precision, optimizer=args.optimizer, mp=args.tp)
     tp = f", tensor parallel {args.tp} (each GPU holds 1/{args.tp} of every parameter)" if args.tp > 1 else ""
     print(f"{source}; {args.precision}, {args.optimizer}{tp}; model states per GPU in GB (1e9 bytes), "
-          "device / host")
-    configs = [(s, "none") for s in range(4)] + [(s, "optimizer") for s in (1, 2, 3)] + [(3, "optimizer+params")]
-    names = {"none": "", "optimizer": " + offload", "optimizer+params": " + offload + params"}
+          "device / host (+ disk: the disk tier, offload_optimizer='disk')")
+    configs = [(s, "none") for s in range(4)] + [(s, "optimizer") for s in (1, 2, 3)] + [(3, "optimizer+params")] \
+        + [(s, "disk") for s in (1, 2, 3)] + [(3, "disk+params")]
+    names = {"none": "", "optimizer": " + offload", "optimizer+params": " + offload + params",
+             "disk": " + disk tier", "disk+params": " + disk tier + params"}
     head = ("stage",) + tuple(f"{n} GPUs" if n > 1 else "1 GPU" for n in args.gpus)
     rows = []
     for stage, off in configs:
@@ -48,7 +50,8 @@ def cmd_estimate(args) -> int:
         for n in args.gpus:
             e = estimate(psi, stage, n, offload=off, **kw)
             fits = "" if args.gpu_memory is None else (" ok" if e.device <= args.gpu_memory else " no")
-            cells.append(f"{e.device / 1e9:.2f} / {e.host / 1e9:.2f}{fits}")
+            cells.append(f"{e.device / 1e9:.2f} / {e.host / 1e9:.2f}" + (f" + {e.disk / 1e9:.2f}" if e.disk else "")
+                         + fits)
         rows.append((f"{stage}{names[off]}",) + tuple(cells))
     print(markdown(head, rows))
     if args.gpu_memory is not None:
@@ -128,24 +131,27 @@ def _plan_facts(p) -> dict:
         "offloaded_chunks": sum(p.optimizer_on_host), "optimizer_on_host": list(p.optimizer_on_host),
         "padding_waste": p.waste, "device_bytes": p.device_bytes, "device_gib": p.device_bytes / GIB,
         "device_memory": p.device_memory, "device_model_bytes": p.device_model_bytes,
-        "host_model_bytes": p.host_model_bytes, "transient_bytes": p.transient_bytes,
+        "host_model_bytes": p.host_model_bytes, "host_memory": p.host_memory, "disk_chunks": p.disk_chunks,
+        "optimizer_on_disk": list(p.optimizer_on_disk), "disk_model_bytes": p.disk_model_bytes,
+        "transient_bytes": p.transient_bytes,
         "activation_bytes": p.activation_bytes, "other_bytes": p.other_bytes, "loads_per_step": p.loads,
         "time_ms": {"total": t.total * 1e3, "compute": t.compute * 1e3, "exposed_transfers": t.exposed_transfers * 1e3,
-                    "device_step": t.device_step * 1e3, "cpu_step": t.cpu_step * 1e3},
+                    "device_step": t.device_step * 1e3, "cpu_step": t.cpu_step * 1e3, "disk_io": t.disk_io * 1e3},
         "tflops": p.tflops, "notes": list(p.notes), "describe": p.describe(),
     }
 
 
 def _table(plans) -> str:
     from ..planning.hardware import GIB
-    head = ("configuration", "device GiB", "fits", "step ms", "compute ms", "exposed transfers ms", "device step ms",
-            "CPU step ms", "TFLOPS/GPU")
+    head = ("configuration", "device GiB", "host GiB", "disk GiB", "fits", "step ms", "compute ms",
+            "exposed transfers ms", "device step ms", "CPU step ms", "disk I/O ms", "TFLOPS/GPU")
     rows = []
     for p in plans:
         t = p.time
-        rows.append((p.name, f"{p.device_bytes / GIB:.2f}", "yes" if p.fits else "no", f"{t.total * 1e3:.1f}",
+        rows.append((p.name, f"{p.device_bytes / GIB:.2f}", f"{p.host_model_bytes / GIB:.2f}",
+                     f"{p.disk_model_bytes / GIB:.2f}", "yes" if p.fits else "no", f"{t.total * 1e3:.1f}",
                      f"{t.compute * 1e3:.1f}", f"{t.exposed_transfers * 1e3:.1f}", f"{t.device_step * 1e3:.1f}",
-                     f"{t.cpu_step * 1e3:.1f}", f"{p.tflops:.1f}"))
+                     f"{t.cpu_step * 1e3:.1f}", f"{t.disk_io * 1e3:.1f}", f"{p.tflops:.1f}"))
     return markdown(head, rows)
 
 
@@ -178,7 +184,7 @@ def cmd_plan(args) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UsageError(f"profiling {args.model} on the meta device failed ({input_words}): "
                          f"{type(e).__name__}: {first}") from None
-    planner = Planner(prof, Target(hw, world=world, accumulation=args.accumulation))
+    planner = Planner(prof, Target(hw, world=world, accumulation=args.accumulation, disk=hw.disk_read > 0))
     plan = planner.plan(stage="auto" if args.stage == "auto" else int(args.stage), offload=not args.no_offload)
     baselines = planner.baselines()
     why = None

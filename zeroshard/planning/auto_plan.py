@@ -18,7 +18,7 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None,
     With tensor parallelism the profile is rank 0's part of the split model (its local shards, its
     flops, its activations, its TP collectives); P_a is not modelled (activations are not divided
     by it: an overestimate). `leaves`: the modules stage 3 gathers whole (units.py)."""
-    from .hardware import probe
+    from .hardware import probe, probe_disk
     from .profiler import profile
 
     if example_inputs is None:
@@ -37,10 +37,13 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None,
                                 "on its values (a mixture of experts routing by data, a Python branch on a tensor) "
                                 "cannot be profiled there: set stage, cache_chunks and the offload keys yourself")
     if every.rank == 0 and mine is None:
-        hw = probe(device, dtype).with_(device_memory=config.device_memory)
+        hw = probe(device, dtype).with_(device_memory=config.device_memory, host_memory=config.host_memory)
+        if config.offload_dir is not None:  # a disk tier: its disk's figures
+            read, write = probe_disk(config.offload_dir)
+            hw = hw.with_(disk_read=read, disk_write=write)
         target = Target(hw, world=comm.world, accumulation=config.gradient_accumulation_steps,
                         optimizer_state_bytes=optimizer_state_bytes(make_opt),
-                        tensor_parallel=config.tensor_parallel)
+                        tensor_parallel=config.tensor_parallel, disk=config.offload_dir is not None)
         planner = Planner(prof, target, chunk_size=None if config.chunk_size == "auto" else config.chunk_size)
         stage = config.stage if config.stage != "auto" else "auto"
         best = planner.plan(stage=stage, offload=config.offload == "auto")

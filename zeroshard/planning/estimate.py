@@ -17,6 +17,10 @@ padding aside; `telemetry.stats.chunk_state_bytes` counts it):
   too (stages 1: the full gradient stays on the device, its owned slice is copied down); "params"
   (offload_params, stage 3) moves the parameter shard. Buffers of the stage-3 cache, activations and the
   allocator's slack are not model states and are not counted.
+- offload "disk" (offload_optimizer='disk', the disk tier) keeps the host's share of "optimizer"
+  but its optimizer states and fp32 master (4 bytes even in fp32 training: the compute copy is not
+  written to disk) on disk: (k_states + 4) Psi / N there; the host keeps the gradient shard. The
+  tier's few host slots (runtime/disk_tier.py) are buffers, not model states.
 
 Activation checkpoints (ZeRO-R, the paper's sections 6.1 and 8): a transformer checkpointed at each
 block's input keeps layers x batch x seq x hidden values per rank. Tensor parallelism replicates
@@ -45,6 +49,7 @@ class Estimate:
     offload: str  # "none", "optimizer", "params" or "optimizer+params"
     device: float
     host: float
+    disk: float = 0.0
 
 
 def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = "adam",
@@ -55,8 +60,9 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
         raise ValueError(f"mp (the tensor-parallel degree) must be an integer >= 1, got {mp!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
-    if offload not in ("none", "optimizer", "params", "optimizer+params"):
-        raise ValueError(f"offload must be 'none', 'optimizer', 'params' or 'optimizer+params', got {offload!r}")
+    if offload not in ("none", "optimizer", "params", "optimizer+params", "disk", "disk+params"):
+        raise ValueError("offload must be 'none', 'optimizer', 'params', 'optimizer+params', 'disk' or "
+                         f"'disk+params', got {offload!r}")
     if offload != "none" and stage == 0:
         raise ValueError("offload needs stage >= 1")
     if "params" in offload and stage != 3:
@@ -68,9 +74,9 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
     grads = g / n if stage >= 2 else g
     opt = k / n if stage >= 1 else k
     device, host = params + grads + opt, 0.0
-    if "optimizer" in offload:
+    if "optimizer" in offload or "disk" in offload:
         device -= opt
-        host += opt
+        host += 0.0 if "disk" in offload else opt  # the disk tier's share: disk_per_param
         if stage >= 2:  # the reduced gradient shard goes to the host with the optimizer
             device -= grads
             host += grads
@@ -82,10 +88,19 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
     return device / mp, host / mp
 
 
+def disk_per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = "adam",
+                   offload: str = "none", mp: int = 1) -> float:
+    """Bytes per parameter in the disk tier on one rank (before dividing by `mp`, as per_param's
+    figures are before their last step): the fp32 master and the optimizer states of its shard."""
+    return (OPTIMIZER_BYTES[optimizer] + 4) / world if "disk" in offload else 0.0
+
+
 def estimate(params: float, stage: int, world: int, **kw) -> Estimate:
     """Model-state bytes per rank for `params` parameters."""
     d, h = per_param(stage, world, **kw)
-    return Estimate(stage, kw.get("offload", "none"), d * params, h * params)
+    mp = kw.get("mp", 1)
+    disk = disk_per_param(stage, world, **{k: v for k, v in kw.items() if k != "mp"}) / mp
+    return Estimate(stage, kw.get("offload", "none"), d * params, h * params, disk * params)
 
 
 def activation_checkpoint_bytes(layers: int, batch: int, seq: int, hidden: int, precision: str = "bf16",

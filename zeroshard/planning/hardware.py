@@ -44,6 +44,8 @@ class Hardware:
     link: float  # bytes/s of collective bus bandwidth per device (all-gather, reduce-scatter)
     reserve: int = 0  # bytes per device the driver and runtime keep (CUDA context, workspaces)
     gpus_per_host: int = 1
+    disk_read: float = 0.0  # bytes/s of the disk tier's disk (shared by the host's ranks); 0: no disk tier
+    disk_write: float = 0.0
 
     def with_(self, **changes) -> "Hardware":
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -79,18 +81,59 @@ def probe(device: torch.device | str | None = None, dtype: torch.dtype = torch.b
         device = torch.device("cuda", torch.cuda.current_device())
     key = _machine_key(device, dtype)
     path = os.path.join(cache_dir(), "hardware.json")
-    cached = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                cached = json.load(f)
-        except (OSError, ValueError):
-            cached = {}
+    cached = _read_cache(path)
     if key in cached and not refresh:
         return Hardware(**cached[key])
     log.info("measuring this machine for the planner (a few seconds, cached in %s)", path)
     hw = _measure(device, dtype)
     cached[key] = dataclasses.asdict(hw)
+    _write_cache(path, cached)
+    return hw
+
+
+def probe_disk(directory: str, refresh: bool = False, nbytes: int = 512 * 2**20) -> tuple[float, float]:
+    """(read, write) bytes/s of the disk holding `directory`, as the disk tier uses it (TierFile:
+    O_DIRECT, 2 threads, 64 MiB records, a file overwritten as every step after the first does);
+    cached beside the machine's figures, per host and file system."""
+    from ..files.tier_files import ALIGN, TierFile, aligned_buffer
+    os.makedirs(directory, exist_ok=True)
+    key = f"disk|{platform.node()}|{os.stat(directory).st_dev}"
+    path = os.path.join(cache_dir(), "hardware.json")
+    cached = _read_cache(path)
+    if key in cached and not refresh:
+        return tuple(cached[key])
+    record = 64 * 2**20
+    n = max(1, nbytes // record)
+    f = TierFile(directory, f"probe-{os.getpid()}.tier", [record] * n)
+    bufs = [aligned_buffer(record) for _ in range(4)]
+    for b in bufs:
+        b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+
+    def rate(io) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, n, len(bufs)):
+            for fut in [io(j, bufs[j - i]) for j in range(i, min(n, i + len(bufs)))]:
+                fut.result()
+        return n * record / (time.perf_counter() - t0)
+    try:
+        rate(f.write)  # allocates the file's blocks
+        write, read = rate(f.write), rate(f.read)
+    finally:
+        f.close()
+    cached[key] = [read, write]
+    _write_cache(path, cached)
+    return read, write
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: str, cached: dict) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -99,7 +142,6 @@ def probe(device: torch.device | str | None = None, dtype: torch.dtype = torch.b
         os.replace(tmp, path)  # atomic: concurrent ranks never read a half-written file
     except OSError as e:
         log.warning("could not cache the hardware probe in %s (%s)", path, e)
-    return hw
 
 
 def _best_time(fn, sync, reps: int = 3) -> float:

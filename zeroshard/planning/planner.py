@@ -1,5 +1,6 @@
 """The planner (Elixir section 5): from a profile and the hardware, the chunk size, the number of
-rCache size (cache_chunks) and, chunk by chunk, whether the optimizer states live on the device or on the host.
+rCache size (cache_chunks) and, chunk by chunk, whether the optimizer states live on the device, the host
+or, where host memory does not hold them and a disk tier is given (offload_dir), the disk.
 
 The terms (budget, loads, plan, cache_chunks: docs/vocabulary.md) as this planner computes them
 (formulas in ../shared/notes/elixir-search.md, reworked for this runtime's data path):
@@ -12,13 +13,18 @@ The terms (budget, loads, plan, cache_chunks: docs/vocabulary.md) as this planne
 - loads: gathers over a step with a cache of cache_chunks chunks evicting by Belady's rule (farthest next use).
 - device-optimizer chunk: its shard, gradient shard, fp32 master and optimizer states on the device
   (16 bytes per shard element with Adam). A host chunk keeps them all in host memory (stage 3: its
-  16-bit shard too, uploaded on each gather), and steps on the CPU.
+  16-bit shard too, uploaded on each gather), and steps on the CPU. A disk chunk steps on the CPU too,
+  but its fp32 master and optimizer states live in the disk tier (runtime/disk_tier.py): the host
+  keeps its gradient shard (stage 3: and its 16-bit shard) plus the tier's slots (SLOTS records of
+  the largest disk chunk), and each step reads and writes its record once (the host's ranks share
+  the disk); what the CPU step does not hide of that I/O is exposed.
 
 The search: (1) chunk size: over candidate sizes, the one that moves the fewest bytes through a cache
 filling the budget (loads x size; within 1% of the least, the smallest size); (2) for each cache size (all chunks cached
 is ZeRO-2; fewer is ZeRO-3 with an rCache of cache_chunks chunks), put as many chunks' optimizer states on the
-device as the memory left allows, the chunks that save the most time per byte first; predict the step
-time of each and keep the fastest that fits. Growing the cache and keeping optimizer states on the
+device as the memory left allows, the chunks that save the most time per byte first; (3) if host
+memory does not hold the rest and a disk tier is given, move the fewest of them (the largest first) to
+disk; predict the step time of each and keep the fastest that fits. Growing the cache and keeping optimizer states on the
 device compete for the same bytes; the comparison is made by predicted time, and reported as seconds
 saved per GiB of either at the chosen point.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..runtime.disk_tier import SLOTS
 from ..runtime.packing import padded_numel
 from .hardware import GIB, Hardware
 from ..runtime.offload import Placement
@@ -48,6 +55,7 @@ class Target:
     accumulation: int = 1  # micro-batches per step (the profile is one micro-batch)
     optimizer_state_bytes: int = 8  # per element: Adam's m and v in fp32
     tensor_parallel: int = 1  # ranks per tensor-parallel group (the profile is one rank's part)
+    disk: bool = False  # a disk tier is given (offload_dir): offloaded chunks may go there
 
     @property
     def ranks_per_host(self) -> int:
@@ -64,10 +72,12 @@ class StepTime:
     device_step: float = 0.0
     cpu_step: float = 0.0
     model_collectives: float = 0.0  # the model's own (tensor parallelism's): they wait on compute, unhidden
+    disk_io: float = 0.0  # the disk tier's reads and writes the CPU step does not hide
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_transfers + self.device_step + self.cpu_step + self.model_collectives
+        return (self.compute + self.exposed_transfers + self.device_step + self.cpu_step + self.model_collectives
+                + self.disk_io)
 
 
 @dataclass
@@ -92,12 +102,15 @@ class Plan:
     loads: int = 0  # chunk gathers per step
     notes: list[str] = field(default_factory=list)
     reserve: int = 0  # the driver's share of other_bytes: outside the caching allocator, not fragmented
+    optimizer_on_disk: tuple[bool, ...] = ()  # per chunk: of those on the host, the disk tier's
+    disk_model_bytes: int = 0  # masters and optimizer states in the disk tier
 
     def placement(self, index: int, stage: int) -> Placement:
         """Where chunk `index`'s optimizer (and at stage 3 its shard) lives; a chunk the plan did
         not foresee (after a re-pack) keeps everything on the device."""
         on_host = index < len(self.optimizer_on_host) and self.optimizer_on_host[index]
-        return Placement(optimizer_on_host=on_host, params_on_host=on_host and stage == 3)
+        on_disk = index < len(self.optimizer_on_disk) and self.optimizer_on_disk[index]
+        return Placement(optimizer_on_host=on_host, params_on_host=on_host and stage == 3, optimizer_on_disk=on_disk)
 
     @property
     def device_bytes(self) -> int:
@@ -121,6 +134,10 @@ class Plan:
         return sum(self.optimizer_on_host)
 
     @property
+    def disk_chunks(self) -> int:
+        return sum(self.optimizer_on_disk)
+
+    @property
     def tflops(self) -> float:
         return self.flops / self.time.total / 1e12 if self.time.total > 0 else 0.0
 
@@ -133,12 +150,16 @@ class Plan:
         cache = "all chunks gathered" if self.cache_chunks is None else f"rCache of {self.cache_chunks} chunks"
         return (f"{self.name}: stage {self.stage}, chunk {self.chunk_size / 1e6:.2f} M elements "
                 f"({len(self.optimizer_on_host)} chunks, {self.waste:.1%} padding), {cache}, optimizer "
-                f"states on the host for {self.offloaded_chunks}/{len(self.optimizer_on_host)} chunks; device "
+                f"states on the host for {self.offloaded_chunks}/{len(self.optimizer_on_host)} chunks"
+                + (f" ({self.disk_chunks} of them in the disk tier: {fmt_bytes(self.disk_model_bytes)})"
+                   if self.disk_chunks else "")
+                + f"; host {fmt_bytes(self.host_model_bytes)} of {fmt_bytes(self.host_memory)}; device "
                 f"{fmt_bytes(self.device_bytes)} of {fmt_bytes(self.device_memory)} "
                 f"(model states + cache {fmt_bytes(self.device_model_bytes)}, activations "
                 f"{fmt_bytes(self.activation_bytes)}); step {t.total * 1e3:.1f} ms = compute {t.compute * 1e3:.1f} + "
                 f"exposed transfers {t.exposed_transfers * 1e3:.1f} + device step {t.device_step * 1e3:.1f} + "
                 f"CPU step {t.cpu_step * 1e3:.1f}"
+                + (f" + disk I/O {t.disk_io * 1e3:.1f}" if t.disk_io else "")
                 + (f" + tensor-parallel collectives {t.model_collectives * 1e3:.1f}" if t.model_collectives else ""))
 
 
@@ -214,10 +235,15 @@ class Planner:
             self._loads[cache_chunks] = belady_loads(self.sequence, cache_chunks, self.layout.padded)
         return self._loads[cache_chunks]
 
-    def evaluate(self, name: str, stage: int, cache_chunks: int | None, on_host: list[bool]) -> Plan:
-        """Predicted memory and time of one configuration. `cache_chunks`: the rCache size in chunks (stage 3)."""
+    def evaluate(self, name: str, stage: int, cache_chunks: int | None, on_host: list[bool],
+                 on_disk: list[bool] | None = None) -> Plan:
+        """Predicted memory and time of one configuration. `cache_chunks`: the rCache size in chunks
+        (stage 3); `on_disk`: of the chunks on the host, those whose states the disk tier keeps."""
         lay, t, hw, e_p = self.layout, self.target, self.target.hardware, self.e_p
         n = t.world
+        on_disk = [bool(d) and bool(h) and lay.trainable[c] for c, (d, h) in
+                   enumerate(zip(on_disk or [False] * len(on_host), on_host))]
+        disk = record = disk_el = 0  # bytes in the tier, its largest record, elements it steps
         dev = host = 0
         moved_params = 0.0  # elements all-gathered per step
         uploads = grads_down = steps_up = 0.0  # bytes per step
@@ -232,6 +258,10 @@ class Planner:
                 dev += s * e_p
             if lay.trainable[c]:
                 states = self._optimizer_side_bytes(stage, s, off)
+                if off and on_disk[c]:  # the gradient shard stays; master and states go to disk
+                    rec = (MASTER_BYTES + t.optimizer_state_bytes) * s
+                    disk, record, disk_el = disk + rec, max(record, rec), disk_el + s
+                    states = s * e_p
                 if off:
                     host += states + (s * e_p if stage == 3 else 0)
                     host_el += s
@@ -261,9 +291,14 @@ class Planner:
         post = max((lay.padded[c] // n * e_p for c in host_chunks), default=0) / hw.h2d if stage == 2 else 0.0
         if stage == 2:
             post += grad_bytes * frac / hw.link
+        host += SLOTS * record
+        # Each disk chunk's record is read and written once a step, on a disk the host's ranks share,
+        # while the CPU steps the chunk before it: what the CPU step of disk chunks does not hide.
+        io = disk * t.ranks_per_host * (1 / max(hw.disk_read, 1.0) + 1 / max(hw.disk_write, 1.0)) if disk else 0.0
+        disk_io = max(0.0, io - disk_el * t.ranks_per_host / hw.host_adam)
         time = StepTime(compute=compute, exposed_transfers=exposed + post, device_step=dev_el / hw.device_adam,
                         cpu_step=host_el * t.ranks_per_host / hw.host_adam,
-                        model_collectives=self.profile.collective_bytes * t.accumulation / hw.link)
+                        model_collectives=self.profile.collective_bytes * t.accumulation / hw.link, disk_io=disk_io)
         return Plan(name=name, stage=stage, chunk_size=lay.chunk_size, cache_chunks=cache_chunks if stage == 3 else None,
                     optimizer_on_host=tuple(bool(x) and lay.trainable[i] for i, x in enumerate(on_host)),
                     waste=lay.waste, device_model_bytes=int(dev + cache), host_model_bytes=int(host),
@@ -271,7 +306,7 @@ class Planner:
                     other_bytes=self.other_bytes, device_memory=hw.device_memory,
                     host_memory=hw.host_memory // t.ranks_per_host if hw.host_memory else 1 << 62, time=time,
                     flops=self.profile.flops * t.accumulation, loads=sum(loads) if stage == 3 else 0,
-                    reserve=hw.reserve)
+                    reserve=hw.reserve, optimizer_on_disk=tuple(on_disk), disk_model_bytes=int(disk))
 
     # -- search -----------------------------------------------------------------------------------------
     def _gain_per_byte(self, stage: int, cache_chunks: int | None, c: int) -> float:
@@ -319,7 +354,28 @@ class Planner:
                 lo, best = mid, trial
             else:
                 hi = mid - 1
-        return best
+        return best if best.fits_host or not self.target.disk else self._to_disk(best)
+
+    def _to_disk(self, p: Plan) -> Plan:
+        """Host memory does not hold the offloaded chunks' states: the fewest of them, the largest
+        first, go to the disk tier (host bytes shrink with each once the first has paid for the
+        slots: bisect the count)."""
+        off = sorted((c for c, h in enumerate(p.optimizer_on_host) if h), key=lambda c: -self.layout.padded[c])
+
+        def with_disk(m: int) -> Plan:
+            chosen = set(off[:m])
+            return self.evaluate(p.name, p.stage, p.cache_chunks, list(p.optimizer_on_host),
+                                 [c in chosen for c in range(len(p.optimizer_on_host))])
+        lo, hi = 1, len(off)
+        if not off or not with_disk(hi).fits_host:
+            return with_disk(hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if with_disk(mid).fits_host:
+                hi = mid
+            else:
+                lo = mid + 1
+        return with_disk(lo)
 
     def plan(self, stage: int | str = "auto", offload: bool = True) -> Plan:
         """The fastest configuration that fits (stage 2 or 3, or the one given), or, if none fits,

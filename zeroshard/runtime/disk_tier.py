@@ -38,6 +38,7 @@ from ..errors import TierFileError, invariant
 from ..files.tier_files import IoMeter, TierFile, aligned_buffer, reclaim_stale
 
 MASTER = "master"
+SLOTS = 4  # host slots: one open, two read ahead, one written behind (the planner counts them too)
 _TIERS = itertools.count()  # this process's tiers: each names its files apart (two engines, one offload_dir)
 
 
@@ -74,7 +75,7 @@ class DiskTier:
     attach(chunks) names the chunks (before the first open; again after a re-pack); the binder
     (set_binder) binds and unbinds the optimizer's states of a chunk as it is opened and closed."""
 
-    def __init__(self, directory: str, rank: int, slots: int = 4, threads: int = 2):
+    def __init__(self, directory: str, rank: int, slots: int = SLOTS, threads: int = 2):
         if slots < 2:
             raise ValueError("zeroshard: the disk tier needs at least 2 slots")
         self.directory = directory

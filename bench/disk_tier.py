@@ -1,0 +1,157 @@
+"""The disk tier (issue 33) on a model whose states exceed this machine's RAM.
+
+    python bench/disk_tier.py --dir DIR                 # GPT-2 2.0B: 24 layers x 2560, bf16, AdamW
+    python bench/disk_tier.py --dir DIR --n-layer 2 --n-embd 256 --steps 2   # a smoke run
+
+Model: GPT-2 (transformers, vocab 50257, n_head = n_embd / 128, tied embedding, no dropout,
+activation checkpointing) built on the meta device: zeroshard materialises it tensor by tensor
+into its chunks, so no whole copy of the model is ever made. Training: world 1 on the CPU, stage 2,
+bf16, zeroshard.CPUAdamW(lr 1e-4), offload_optimizer='disk' with offload_dir=DIR; --batch
+sequences of --seq random tokens per step.
+
+Printed: the machine's RAM and the model's state bytes (16 per parameter: bf16 parameters and
+gradients, fp32 master and two moments); the raw bandwidth of DIR's disk, measured here first with
+the tier's own files (TierFile: O_DIRECT, the same threads and record size) writing and reading
+--raw-gib GiB; then per step: forward+backward, the optimizer step split into its waits for disk
+reads and for slots being written, and the rest (the CPU Adam and the copies), the bytes read and
+written, the bandwidth the disk gave the step (bytes over the seconds a read, or a write, was in
+flight) next to the raw bandwidth, and the share of the step spent waiting on I/O. The peak
+resident memory of the process (getrusage) ends the report.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import zeroshard  # noqa: E402
+from zeroshard.files.tier_files import ALIGN, TierFile, aligned_buffer  # noqa: E402
+
+VOCAB = 50257
+
+
+def gpt2_params(n_layer: int, d: int, seq: int) -> int:
+    return n_layer * (12 * d * d + 13 * d) + VOCAB * d + seq * d + 2 * d
+
+
+def raw_bandwidth(directory: str, total: int, record: int, threads: int = 2) -> tuple[float, float, float]:
+    """GB/s writing a new file, overwriting it (what every step after the first does), then reading
+    it: `total` bytes in records of `record` bytes through a TierFile, as the tier does (O_DIRECT,
+    `threads` threads, each record checksummed and verified, twice as many records in flight as
+    threads; no fsync: the tier's files are scratch, never synced)."""
+    n = max(1, total // record)
+    f = TierFile(directory, "raw-bandwidth.tier", [record] * n, threads=threads)
+    bufs = [aligned_buffer(record) for _ in range(2 * threads)]
+    for b in bufs:
+        b[:] = os.urandom(ALIGN) * (len(b) // ALIGN)
+
+    def timed(io) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, n, len(bufs)):
+            for fut in [io(j, bufs[j - i]) for j in range(i, min(n, i + len(bufs)))]:
+                fut.result()
+        return n * record / (time.perf_counter() - t0) / 1e9
+    try:
+        fresh = timed(lambda j, b: f.write(j, b[:record]))
+        over = timed(lambda j, b: f.write(j, b[:record]))
+        read = timed(f.read)
+    finally:
+        f.close()
+    return fresh, over, read
+
+
+def build(n_layer: int, d: int, seq: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(n_layer=n_layer, n_embd=d, n_head=max(1, d // 128), vocab_size=VOCAB, n_positions=seq,
+                     resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    model.gradient_checkpointing_enable()
+    return model
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", required=True, help="offload_dir: a directory on the disk to measure")
+    ap.add_argument("--n-layer", type=int, default=24)
+    ap.add_argument("--n-embd", type=int, default=2560)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--raw-gib", type=float, default=4.0)
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    psi = gpt2_params(args.n_layer, args.n_embd, args.seq)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = {"params": psi, "ram_bytes": ram, "model_state_bytes": 16 * psi}
+    print(f"GPT-2 {args.n_layer} x {args.n_embd}: {psi / 1e9:.2f} B parameters; model states 16 x params = "
+          f"{16 * psi / 2**30:.1f} GiB against {ram / 2**30:.1f} GiB of RAM", flush=True)
+
+    t0 = time.perf_counter()
+    model = build(args.n_layer, args.n_embd, args.seq)
+    engine = zeroshard.initialize(model, lambda ps: zeroshard.CPUAdamW(ps, lr=1e-4),
+                                  {"stage": 2, "precision": "bf16", "offload_optimizer": "disk",
+                                   "offload_dir": args.dir})
+    tier = engine.optim.tier
+    record = max(tier.numels) * 4
+    out["setup_s"] = time.perf_counter() - t0
+    out["peak_rss_after_setup"] = peak_rss()
+    print(f"set-up {out['setup_s']:.0f} s ({len(tier.numels)} disk-tier chunks, largest record {record / 2**20:.0f} MiB); "
+          f"peak RSS so far {out['peak_rss_after_setup'] / 2**30:.1f} GiB", flush=True)
+
+    fresh, w, r = raw_bandwidth(args.dir, int(args.raw_gib * 2**30), record)
+    out["raw_new_file_write_gbs"], out["raw_write_gbs"], out["raw_read_gbs"] = fresh, w, r
+    print(f"raw disk bandwidth of {args.dir} (TierFile, O_DIRECT, 2 threads, {record / 2**20:.0f} MiB records, "
+          f"{args.raw_gib:g} GiB): write {fresh:.2f} GB/s into a new file, {w:.2f} overwriting it, read {r:.2f}",
+          flush=True)
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(args.steps):
+        x = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
+        t = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        t_fb = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.step()
+        t_step = time.perf_counter() - t
+        s = engine.stats()["disk_tier"]
+        waits = s["read_wait_s"] + s["write_wait_s"]
+        row = {"step": i, "loss": loss.item(), "forward_backward_s": t_fb, "optimizer_step_s": t_step,
+               "read_wait_s": s["read_wait_s"], "write_wait_s": s["write_wait_s"], "compute_s": t_step - waits,
+               "read_bytes": s["read_bytes"], "written_bytes": s["written_bytes"],
+               "read_gbs": s["read_bytes"] / s["read_busy_s"] / 1e9 if s["read_busy_s"] else None,
+               "write_gbs": s["written_bytes"] / s["write_busy_s"] / 1e9 if s["write_busy_s"] else None,
+               "io_wait_share": waits / t_step}
+        rows.append(row)
+        print(f"step {i}: loss {row['loss']:.3f}; forward+backward {t_fb:.1f} s; optimizer step {t_step:.1f} s = "
+              f"read waits {s['read_wait_s']:.1f} + write waits {s['write_wait_s']:.1f} + compute {row['compute_s']:.1f}"
+              f"; read {s['read_bytes'] / 1e9:.1f} GB at "
+              + (f"{row['read_gbs']:.2f}" if row["read_gbs"] else "-")
+              + f" GB/s ({(row['read_gbs'] or 0) / r:.0%} of raw), wrote {s['written_bytes'] / 1e9:.1f} GB at "
+              + (f"{row['write_gbs']:.2f}" if row["write_gbs"] else "-")
+              + f" GB/s ({(row['write_gbs'] or 0) / w:.0%} of raw); I/O wait {row['io_wait_share']:.0%} of the step",
+              flush=True)
+    out["steps"] = rows
+    out["peak_rss"] = peak_rss()
+    print(f"peak resident memory {out['peak_rss'] / 2**30:.1f} GiB of {ram / 2**30:.1f} GiB RAM; model states "
+          f"{16 * psi / 2**30:.1f} GiB; tier slots {tier.buffer_bytes() / 2**30:.1f} GiB", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
