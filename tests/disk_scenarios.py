@@ -217,6 +217,7 @@ def disk_checkpoint_round_trips(rank, world):
     e.load_checkpoint(root, tag="from_disk")
     train(e, data[2:], rank)
     out["reload"] = max_diff(want, e.full_state_dict())
+    out["optimizer_state_dict"] = error_on_every_rank(lambda: e.optimizer.state_dict())[rank]
     every_rank(None)
     if rank == 0:
         shutil.rmtree(root)

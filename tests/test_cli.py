@@ -190,3 +190,22 @@ def test_quantities():
         with pytest.raises(Exception):
             size(bad)
     assert set(PRESETS) >= {"opt-175b", "gpt2-10b", "gpt2"}
+
+
+def test_plan_with_a_disk_tier_past_host_memory(capsys):
+    """A described disk tier and a host too small for every offloaded state: the chosen plan puts
+    some chunks on disk and the table says how much the host and the disk hold; with host memory
+    to spare, nothing goes to disk."""
+    common = ("plan", "gpt2-xl", "--seq-len", "128", "--gpu-memory", "4GiB", "--reserve", "0", "--disk-read",
+              "2GB/s", "--disk-write", "1GB/s", "--stage", "3")
+    rc, out, _ = run(capsys, *common, "--host-memory", "64GiB")
+    assert rc == 0, out
+    roomy = table_rows(out)["plan"]  # cells after the name: ..., TFLOPS, host GiB, disk GiB, disk I/O ms
+    assert float(roomy[8]) > 20 and float(roomy[9]) == 0.0 and "disk tier" not in out.split("chosen:")[1].split("\n")[0]
+    rc, out, _ = run(capsys, *common, "--host-memory", "20GiB")
+    assert rc == 0, out
+    chosen = out.split("chosen:")[1].split("\n")[0]
+    assert "of them in the disk tier" in chosen, chosen
+    row = table_rows(out)["plan"]
+    assert float(row[8]) <= 0.95 * 20 and float(row[9]) > 0 and float(row[10]) > 0
+    assert "disk tier: read 2 GB/s, write 1 GB/s" in out

@@ -67,6 +67,9 @@ def test_offload_auto_uses_the_disk_only_past_host_memory(res):  # noqa: F811
 def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: F811
     r, _ = res
     got = ok(r, "disk_checkpoint_round_trips")
+    # optimizer.state_dict() cannot hold the tier's states: it says so rather than hand out meta tensors
+    assert got.pop("optimizer_state_dict").startswith("CheckpointError: zeroshard: the optimizer's states are in "
+                                                      "the disk tier")
     assert got == {"disk": 0.0, "host": 0.0, "device": 0.0, "host_to_disk": 0.0, "reload": 0.0}, got
 
 

@@ -143,15 +143,15 @@ def _plan_facts(p) -> dict:
 
 def _table(plans) -> str:
     from ..planning.hardware import GIB
-    head = ("configuration", "device GiB", "host GiB", "disk GiB", "fits", "step ms", "compute ms",
-            "exposed transfers ms", "device step ms", "CPU step ms", "disk I/O ms", "TFLOPS/GPU")
+    head = ("configuration", "device GiB", "fits", "step ms", "compute ms", "exposed transfers ms", "device step ms",
+            "CPU step ms", "TFLOPS/GPU", "host GiB", "disk GiB", "disk I/O ms")
     rows = []
     for p in plans:
         t = p.time
-        rows.append((p.name, f"{p.device_bytes / GIB:.2f}", f"{p.host_model_bytes / GIB:.2f}",
-                     f"{p.disk_model_bytes / GIB:.2f}", "yes" if p.fits else "no", f"{t.total * 1e3:.1f}",
+        rows.append((p.name, f"{p.device_bytes / GIB:.2f}", "yes" if p.fits else "no", f"{t.total * 1e3:.1f}",
                      f"{t.compute * 1e3:.1f}", f"{t.exposed_transfers * 1e3:.1f}", f"{t.device_step * 1e3:.1f}",
-                     f"{t.cpu_step * 1e3:.1f}", f"{t.disk_io * 1e3:.1f}", f"{p.tflops:.1f}"))
+                     f"{t.cpu_step * 1e3:.1f}", f"{p.tflops:.1f}", f"{p.host_model_bytes / GIB:.2f}",
+                     f"{p.disk_model_bytes / GIB:.2f}", f"{t.disk_io * 1e3:.1f}"))
     return markdown(head, rows)
 
 

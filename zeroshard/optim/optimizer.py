@@ -102,6 +102,8 @@ class ShardedOptimizer(DelayedUpdate):
         pieces = [pc for c in self.chunks for pc in c.pieces]
         if self.optimizer is None:
             self.optimizer = self.groups.build(pieces)
+            if self._tiered is not None:
+                self._tiered.guard(self.optimizer)
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TierFileError
+from ..errors import CheckpointError, TierFileError
 
 
 class TieredStates:
@@ -23,6 +23,16 @@ class TieredStates:
         self.tier = tier
         self.optimizer = optimizer  # () -> the torch optimizer
         tier.set_binder(self.bind, self.unbind)
+
+    def guard(self, optimizer) -> None:
+        """optimizer.state_dict() would hand out meta tensors for the tiered states (torch.save
+        writes them without a word, and they load as nothing): it raises instead."""
+        def refuse(opt):
+            if any(torch.is_tensor(v) and v.is_meta for st in opt.state.values() for v in st.values()):
+                raise CheckpointError("zeroshard: the optimizer's states are in the disk tier "
+                                      "(offload_optimizer='disk'), not in optimizer.state_dict(): save them with "
+                                      "engine.save_checkpoint")
+        optimizer.register_state_dict_pre_hook(refuse)
 
     def bind(self, c, view) -> None:
         """Chunk c opened: each tiered state of its pieces becomes a view of its record."""

@@ -63,7 +63,7 @@ class Slot:
         self.unsaved = False  # holds values the disk does not have yet (a chunk's first open)
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
-        if name not in self.buffers:
+        if name not in self.buffers or len(self.buffers[name][0]) < nbytes:  # new, or records grew (a re-pack)
             raw = aligned_buffer(nbytes)
             self.buffers[name] = (raw, torch.frombuffer(raw, dtype=torch.uint8))
         return self.buffers[name][0]
@@ -153,20 +153,28 @@ class DiskTier:
 
     # -- slots ----------------------------------------------------------------------------------
     def _finish(self, slot: Slot) -> None:
-        """Wait for the slot's I/O: READING -> OPEN-able, WRITING -> FREE."""
+        """Wait for the slot's I/O: READING -> ready to open, WRITING -> FREE. A read that failed
+        frees the slot too, so no later open takes what it left for the record's values."""
         pending, slot.pending = slot.pending, []
         t0 = time.perf_counter()
         try:
             for f in pending:
                 f.result()
+        except BaseException:
+            if slot.state is SlotState.READING:
+                self._release(slot)
+            raise
         finally:
             waited = time.perf_counter() - t0
             if slot.state is SlotState.WRITING:
                 self.write_wait_s += waited
-                self.slot_of.pop(slot.record, None)
-                slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
+                self._release(slot)
             else:
                 self.read_wait_s += waited
+
+    def _release(self, slot: Slot) -> None:
+        self.slot_of.pop(slot.record, None)
+        slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
 
     def _free_slot(self, block: bool) -> Slot | None:
         for s in self.slots:
@@ -253,8 +261,7 @@ class DiskTier:
         finally:
             c.bind_master(None)
         if not (write or slot.unsaved):
-            self.slot_of.pop(record)
-            slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
+            self._release(slot)
             return
         slot.state, slot.unsaved = SlotState.WRITING, False
         for name in sorted(slot.present):
@@ -269,9 +276,9 @@ class DiskTier:
                 self._finish(s)
         for f in self.files.values():
             f.close()
-        self.files, self.adopted, self.slot_of = {}, set(), {}
+        self.files, self.adopted = {}, set()
         for s in self.slots:
-            s.state, s.chunk, s.record = SlotState.FREE, None, -1
+            self._release(s)
 
     def flush(self) -> None:
         """Wait until every record written is on disk (TierFileError if a write failed)."""

@@ -257,7 +257,11 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
             if view.stage in (1, 2):
                 shards.all_gather_owned(c.full)
     opt = view.optim.optimizer
-    current = opt.state_dict()["param_groups"]
+    # torch's packed param groups (params as running indices), without state_dict(): that refuses
+    # while the disk tier holds states (tiered_states.py)
+    index_of, current = iter(range(1 << 62)), []
+    for g in opt.param_groups:
+        current.append({**{k: v for k, v in g.items() if k != "params"}, "params": [next(index_of) for _ in g["params"]]})
     if groups is None:
         opt.load_state_dict({"state": {}, "param_groups": current})
         return
