@@ -91,8 +91,7 @@ class ShardedOptimizer(DelayedUpdate):
         self._delay_staging: dict[int, list] = {}  # id(chunk) -> [host 16-bit buffer, upload reading it]
         self._state_bytes_at_launch = None
         self.tier = tier
-        if tier is not None:
-            TieredStates(tier, lambda: self.optimizer)
+        self._tiered = TieredStates(tier, lambda: self.optimizer) if tier is not None else None
 
     def attach(self, chunks) -> None:
         """(Re)bind the optimizer to the trainable chunks' master pieces, each in the param group of
