@@ -32,6 +32,11 @@ Parts (each runs the benchmark script named, as a subprocess, and reads its --js
 - sharded_load: bench/sharded_load.py: each rank's peak memory while a pretrained GPT-2 medium (355M)
   is built and loaded at world 3, stage 3, bf16: built normally, or on the meta device with
   `weights=` or `load_weights`, against the goal of 0.6 x its fp32 bytes (GPT-2 2 x 256 with --quick).
+- disk_tier: bench/disk_tier.py: a 2.0B-parameter GPT-2 (bf16, AdamW: 30 GiB of model states) built on
+  the meta device trains 2 steps at world 1 with offload_optimizer='disk' in a directory under the
+  output folder (removed after): peak resident memory against RAM, the step split into forward+backward,
+  I/O waits and compute, the disk bandwidth achieved against the raw bandwidth measured in the same
+  run (GPT-2 2 x 256 with --quick). About 10 minutes and 40 GB of free disk.
 - gpu: on a CUDA machine only, bench/offload_gpt2.py on GPT-2 sizes from 1B up to the first that does
   not fit; "skipped: no GPU" elsewhere. --force-gpu-smoke runs two tiny configurations on the CPU
   instead, to exercise the part's code.
@@ -64,7 +69,7 @@ import torch
 MIB = 2**20
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
-PARTS = ["step_time", "comm", "memory", "timeline", "cpu_adam", "profile_plan", "sharded_load", "gpu"]
+PARTS = ["step_time", "comm", "memory", "timeline", "cpu_adam", "profile_plan", "sharded_load", "disk_tier", "gpu"]
 
 # Peers on gpt2-tiny (ANCHORS_WORKLOAD only), from shared/notes/anchors.md: (step seconds, ratio to DDP) on a
 # machine of this kind.
@@ -809,6 +814,38 @@ def render_sharded_load(ctx, part):
     return md, []
 
 
+def run_disk_tier(ctx, part):
+    import shutil
+    path = ctx.tmp("disk_tier.json")
+    directory = os.path.join(ctx.out, "raw", "disk-tier-files")  # on the disk the results go to
+    shutil.rmtree(directory, ignore_errors=True)
+    size = ["--n-layer", "2", "--n-embd", "256", "--raw-gib", "0.5"] if ctx.quick else []
+    try:
+        run_command([sys.executable, os.path.join(BENCH, "disk_tier.py"), "--dir", directory, *size, "--json", path],
+                    ctx.log("disk_tier"), 3600)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    part["data"] = load_json(path)
+
+
+def render_disk_tier(ctx, part):
+    d = part["data"]
+    gib = 2**30
+    md = [f"`python bench/disk_tier.py`: GPT-2 {d['params'] / 1e9:.2f}B parameters, bf16 + CPUAdamW, world 1, "
+          f"offload_optimizer='disk': {d['model_state_bytes'] / gib:.1f} GiB of model states against "
+          f"{d['ram_bytes'] / gib:.1f} GiB of RAM; peak resident memory {d['peak_rss'] / gib:.1f} GiB. Raw disk "
+          f"(the tier's own files, same run): write {d['raw_write_gbs']:.2f} GB/s (a new file "
+          f"{d['raw_new_file_write_gbs']:.2f}), read {d['raw_read_gbs']:.2f} GB/s.", "",
+          "| step | forward+backward s | optimizer step s | read waits s | write waits s | compute s | read GB at GB/s "
+          "(of raw) | written GB at GB/s (of raw) | I/O wait share |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["steps"]:
+        rd = f"{r['read_bytes'] / 1e9:.1f} at {r['read_gbs'] or 0:.2f} ({(r['read_gbs'] or 0) / d['raw_read_gbs']:.0%})"
+        wr = f"{r['written_bytes'] / 1e9:.1f} at {r['write_gbs'] or 0:.2f} ({(r['write_gbs'] or 0) / d['raw_write_gbs']:.0%})"
+        md.append(f"| {r['step']} | {r['forward_backward_s']:.1f} | {r['optimizer_step_s']:.1f} | {r['read_wait_s']:.1f} | "
+                  f"{r['write_wait_s']:.1f} | {r['compute_s']:.1f} | {rd} | {wr} | {r['io_wait_share']:.0%} |")
+    return md, []
+
+
 PART_FUNCS = {
     "step_time": (run_step_time, render_step_time, "Step time"),
     "comm": (run_comm, render_comm, "Communication per step"),
@@ -817,6 +854,7 @@ PART_FUNCS = {
     "cpu_adam": (run_cpu_adam, render_cpu_adam, "CPU AdamW"),
     "profile_plan": (run_profile_plan, render_profile_plan, "Profiler and planner"),
     "sharded_load": (run_sharded_load, render_sharded_load, "Building and loading a pretrained model"),
+    "disk_tier": (run_disk_tier, render_disk_tier, "The disk tier"),
     "gpu": (run_gpu, render_gpu, "Single-GPU throughput with offload"),
 }
 

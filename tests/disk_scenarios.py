@@ -225,14 +225,25 @@ def disk_checkpoint_round_trips(rank, world):
 
 
 def _fault(rank, world, harm) -> dict:
-    """One step, then `harm(engine)` on the last rank, then a second step: what each rank raised."""
+    """One step and a checkpoint, then `harm(engine)` on the last rank, then a second step: what
+    each rank raised, and whether the checkpoint still loads as it was saved."""
     data = batches(2, world, 1)
+    root = _shared_root(rank, world)
     engine = zeroshard.initialize(tiny_gpt2(), make_adamw, disk({"stage": 2, "chunk_size": 20000}))
     train(engine, data[:1], rank)
+    engine.save_checkpoint(root, tag="before")
+    saved = engine.full_state_dict()
     if rank == world - 1:
         harm(engine)
-    return {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank)),
-            "again": error_on_every_rank(lambda: engine.full_state_dict())}
+    out = {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank)),
+           "again": error_on_every_rank(lambda: engine.full_state_dict())}
+    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "chunk_size": 20000})
+    fresh.load_checkpoint(root)
+    out["checkpoint_intact"] = max_diff(saved, fresh.full_state_dict())
+    every_rank(None)
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
 
 
 def _tier_file(engine, field="exp_avg") -> str:

@@ -129,9 +129,10 @@ class TierFile:
     record is never read and written at once (the caller orders its uses of a record)."""
 
     def __init__(self, directory: str, name: str, sizes: list[int], threads: int = 2, meter: IoMeter | None = None,
-                 pool: ThreadPoolExecutor | None = None):
+                 pool: ThreadPoolExecutor | None = None, read_pool: ThreadPoolExecutor | None = None):
         """threads: the I/O threads of its own pool, unless it shares `pool` (several files on one
-        disk: the threads, not the files, set how many requests the disk sees at once)."""
+        disk: the threads, not the files, set how many requests the disk sees at once); reads go
+        to `read_pool` when given (so a read is never queued behind writes)."""
         self.path = os.path.join(directory, name)
         self.lease = self.path + ".lease"
         self.sizes = list(sizes)
@@ -159,6 +160,7 @@ class TierFile:
                                 f"({e.strerror or e}): set offload_dir to a writable directory") from e
         self._own_pool = pool is None
         self._pool = pool or ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier")
+        self._read_pool = read_pool or self._pool
         self.closed = False
 
     def _take_lease(self) -> None:
@@ -195,7 +197,7 @@ class TierFile:
     def read(self, index: int, into) -> Future:
         """Read record `index` into `into` (writable, at least its size; an aligned_buffer for
         O_DIRECT), verified. The future's result is `into`."""
-        return self._pool.submit(self._read, index, self.generations[index], memoryview(into).cast("B"))
+        return self._read_pool.submit(self._read, index, self.generations[index], memoryview(into).cast("B"))
 
     def _write(self, index: int, generation: int, data: memoryview) -> None:
         n = self.sizes[index]

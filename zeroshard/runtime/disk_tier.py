@@ -96,8 +96,10 @@ class DiskTier:
         self.read_wait_s = self.write_wait_s = 0.0
         self.read_bytes = self.written_bytes = 0
         self.meter = IoMeter()  # the disk's busy seconds, both ways, over every field's file
-        # One pool for every field's file: `threads` requests at the disk at once (bench/disk_io.py: 2)
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier")
+        # Pools shared by every field's file, `threads` requests each (bench/disk_io.py: 2): one for
+        # writes, one for reads, so the next chunk's read is never queued behind the last one's writes.
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier-write")
+        self.read_pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier-read")
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, chunks) -> None:
@@ -139,7 +141,7 @@ class DiskTier:
             return
         size = torch.tensor([], dtype=dtype).element_size()
         self.files[name] = TierFile(self.directory, f"{self.name}.{name}.tier", [n * size for n in self.numels],
-                                    meter=self.meter, pool=self.pool)
+                                    meter=self.meter, pool=self.pool, read_pool=self.read_pool)
         self.dtypes[name] = dtype
 
     def _view(self, slot: Slot, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -252,6 +254,7 @@ class DiskTier:
         if c is None:
             self._drop_files()
             self.pool.shutdown(wait=True)
+            self.read_pool.shutdown(wait=True)
             return
         record = self.record_of[id(c)]
         slot = self.slot_of.get(record)
