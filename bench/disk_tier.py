@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroshard  # noqa: E402
-from zeroshard.files.tier_files import ALIGN, TierFile, aligned_buffer  # noqa: E402
+from zeroshard.files.tier_files import TierFile, aligned_buffer  # noqa: E402
 
 VOCAB = 50257
 
@@ -42,13 +42,13 @@ def gpt2_params(n_layer: int, d: int, seq: int) -> int:
     return n_layer * (12 * d * d + 13 * d) + VOCAB * d + seq * d + 2 * d
 
 
-def raw_bandwidth(directory: str, total: int, record: int) -> tuple[float, float, float]:
+def raw_bandwidth(directory: str, total: int, record: int) -> tuple[float, float, float, float]:
     """GB/s writing a new file, overwriting it (what every step after the first does), then reading
     it: `total` bytes in records of `record` bytes through TierFiles, as the tier does (O_DIRECT,
     each record checksummed and verified, no fsync: the tier's files are scratch; the bytes are fp32
     values drawn as initial weights are, not random bytes, since a virtual disk may compress), with 2 and with
     4 threads, twice as many records in flight as threads (a sliding window); the best of the two
-    each way (the tier runs 2 read and 2 write threads at once)."""
+    each way (the tier runs 2 read and 2 write threads at once); and mixed_bandwidth's figure."""
     n = max(1, total // record)
     best = [0.0, 0.0, 0.0]
     for threads in (2, 4):
@@ -72,7 +72,35 @@ def raw_bandwidth(directory: str, total: int, record: int) -> tuple[float, float
         finally:
             f.close()
         best = [max(a, b) for a, b in zip(best, got)]
-    return tuple(best)
+    return tuple(best) + (mixed_bandwidth(directory, total, record),)
+
+
+def mixed_bandwidth(directory: str, total: int, record: int) -> float:
+    """GB/s of reads and writes together, as a step moves them: half of `total` read from one file
+    while the other half is written to another, each through 2 threads with 4 records in flight
+    (the tier's pools); bytes both ways over the wall time."""
+    n = max(1, total // 2 // record)
+    src = TierFile(directory, "raw-read.tier", [record] * n, threads=2)
+    dst = TierFile(directory, "raw-write.tier", [record] * n, threads=2)
+    bufs = [aligned_buffer(record) for _ in range(8)]
+    for b in bufs:
+        torch.frombuffer(b, dtype=torch.float32).normal_(0, 0.02)
+    try:
+        for fut in [src.write(j, bufs[0][:record]) for j in range(n)] + \
+                [dst.write(j, bufs[1][:record]) for j in range(n)]:  # both files allocated first
+            fut.result()
+        t0, reads, writes = time.perf_counter(), [], []
+        for j in range(n):
+            for window, io, k in ((reads, src.read, 0), (writes, lambda i, b: dst.write(i, b[:record]), 4)):
+                if len(window) == 4:
+                    window.pop(0).result()
+                window.append(io(j, bufs[k + j % 4]))
+        for fut in reads + writes:
+            fut.result()
+        return 2 * n * record / (time.perf_counter() - t0) / 1e9
+    finally:
+        src.close()
+        dst.close()
 
 
 def build(n_layer: int, d: int, seq: int):
@@ -110,7 +138,7 @@ def main() -> None:
     before = raw_bandwidth(args.dir, int(args.raw_gib * 2**30), record)
     print(f"raw disk bandwidth of {args.dir} before (TierFile, O_DIRECT, best of 2 and 4 threads, {record / 2**20:.0f} MiB records, "
           f"{args.raw_gib:g} GiB): write {before[0]:.2f} GB/s into a new file, {before[1]:.2f} overwriting it, read "
-          f"{before[2]:.2f}", flush=True)
+          f"{before[2]:.2f}; reading and writing at once {before[3]:.2f} (both ways)", flush=True)
 
     t0 = time.perf_counter()
     model = build(args.n_layer, args.n_embd, args.seq)
@@ -142,6 +170,7 @@ def main() -> None:
                "read_bytes": s["read_bytes"], "written_bytes": s["written_bytes"],
                "read_gbs": s["read_bytes"] / s["read_busy_s"] / 1e9 if s["read_busy_s"] else None,
                "write_gbs": s["written_bytes"] / s["write_busy_s"] / 1e9 if s["write_busy_s"] else None,
+               "io_gbs": (s["read_bytes"] + s["written_bytes"]) / s["io_busy_s"] / 1e9 if s["io_busy_s"] else None,
                "io_wait_share": waits / t_step}
         rows.append(row)
         print(f"step {i}: loss {row['loss']:.3f}; forward+backward {t_fb:.1f} s; optimizer step {t_step:.1f} s = "
@@ -160,15 +189,19 @@ def main() -> None:
     gc.collect()
     after = raw_bandwidth(args.dir, int(args.raw_gib * 2**30), record)
     print(f"raw disk bandwidth after: write {after[0]:.2f} GB/s into a new file, {after[1]:.2f} overwriting it, "
-          f"read {after[2]:.2f}", flush=True)
+          f"read {after[2]:.2f}; reading and writing at once {after[3]:.2f}", flush=True)
     out["raw_before"], out["raw_after"] = before, after
-    w, r = max(before[1], after[1]), max(before[2], after[2])
+    w, r, m = max(before[1], after[1]), max(before[2], after[2]), max(before[3], after[3])
     out["raw_write_gbs"], out["raw_read_gbs"], out["raw_new_file_write_gbs"] = w, r, max(before[0], after[0])
+    out["raw_mixed_gbs"] = m
     for row in rows:
         row["read_of_raw"] = (row["read_gbs"] or 0) / r
         row["write_of_raw"] = (row["write_gbs"] or 0) / w
-        print(f"step {row['step']}: read at {row['read_of_raw']:.0%} of the better raw read ({r:.2f} GB/s), written at "
-              f"{row['write_of_raw']:.0%} of the better raw overwrite ({w:.2f} GB/s)", flush=True)
+        row["mixed_of_raw"] = (row["io_gbs"] or 0) / m
+        print(f"step {row['step']}: the disk moved {row['io_gbs'] or 0:.2f} GB/s both ways while busy, "
+              f"{row['mixed_of_raw']:.0%} of the better raw figure reading and writing at once ({m:.2f}); reads alone "
+              f"{row['read_of_raw']:.0%} of raw reading ({r:.2f}), writes {row['write_of_raw']:.0%} of raw "
+              f"overwriting ({w:.2f})", flush=True)
     print(f"peak resident memory {out['peak_rss'] / 2**30:.1f} GiB of {ram / 2**30:.1f} GiB RAM; model states "
           f"{16 * psi / 2**30:.1f} GiB; tier slots {out['slot_bytes'] / 2**30:.1f} GiB", flush=True)
     if args.json:

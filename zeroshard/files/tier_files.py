@@ -95,31 +95,35 @@ def reclaim_stale(directory: str) -> list[str]:
 
 
 class IoMeter:
-    """Seconds during which at least one read (write) was in flight, over every file that shares
-    this meter: bytes moved over those seconds is the bandwidth the disk gave (threads overlapping
-    count once)."""
+    """Seconds during which at least one read (write; either: 'any') was in flight, over every file
+    that shares this meter: bytes moved over those seconds is the bandwidth the disk gave (threads
+    overlapping count once)."""
+
+    KINDS = ("read", "write", "any")
 
     def __init__(self):
-        self.busy_s = {"read": 0.0, "write": 0.0}
-        self._inflight = {"read": 0, "write": 0}
-        self._since = {"read": 0.0, "write": 0.0}
+        self.busy_s = dict.fromkeys(self.KINDS, 0.0)
+        self._inflight = dict.fromkeys(self.KINDS, 0)
+        self._since = dict.fromkeys(self.KINDS, 0.0)
         self._lock = threading.Lock()
 
     def begin(self, what: str) -> None:
         with self._lock:
-            if not self._inflight[what]:
-                self._since[what] = time.perf_counter()
-            self._inflight[what] += 1
+            for k in (what, "any"):
+                if not self._inflight[k]:
+                    self._since[k] = time.perf_counter()
+                self._inflight[k] += 1
 
     def end(self, what: str) -> None:
         with self._lock:
-            self._inflight[what] -= 1
-            if not self._inflight[what]:
-                self.busy_s[what] += time.perf_counter() - self._since[what]
+            for k in (what, "any"):
+                self._inflight[k] -= 1
+                if not self._inflight[k]:
+                    self.busy_s[k] += time.perf_counter() - self._since[k]
 
     def reset(self) -> None:
         with self._lock:
-            self.busy_s = {"read": 0.0, "write": 0.0}
+            self.busy_s = dict.fromkeys(self.KINDS, 0.0)
 
 
 class TierFile:

@@ -16,7 +16,7 @@ overflow, config nonfinite='skip'), and counts of parameters, chunks and padded 
 The disk tier (offload_optimizer='disk'): 'disk' in `model_state_bytes_by_device` (the records
 written there), and `disk_tier` ({'read_bytes', 'written_bytes' since the previous step;
 'read_wait_s', 'write_wait_s': what the step waited for reads and for slots being written;
-'read_busy_s', 'write_busy_s': seconds with a read (write) in flight; 'buffer_bytes': the host
+'read_busy_s', 'write_busy_s', 'io_busy_s': seconds with a read, a write, either in flight; 'buffer_bytes': the host
 slots}); None without it.
 Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): `shard_group_size` (G; the
 data-parallel world when not hybrid), `hpz_group_size` (None without hpZ) and
@@ -163,7 +163,8 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
     out["disk_tier"] = None if tier is None else {
         "read_bytes": tier.read_bytes, "written_bytes": tier.written_bytes, "read_wait_s": tier.read_wait_s,
         "write_wait_s": tier.write_wait_s, "read_busy_s": tier.meter.busy_s["read"],
-        "write_busy_s": tier.meter.busy_s["write"], "buffer_bytes": tier.buffer_bytes()}
+        "write_busy_s": tier.meter.busy_s["write"], "io_busy_s": tier.meter.busy_s["any"],
+        "buffer_bytes": tier.buffer_bytes()}
     if tier is not None:
         tier.reset_counters()
     partition = saved.partition
