@@ -323,4 +323,4 @@ def run(rank, world, out_path):
            traceback_limit=-3)
 
 
-RESULTS = WorldResults(run, "disk")
+DISK = WorldResults(run, "disk")

@@ -13,7 +13,9 @@ import textwrap
 
 import pytest
 
-from disk_scenarios import CASES, RESULTS  # noqa: F401 -- RESULTS is read by the `res` fixture
+from disk_scenarios import CASES, DISK
+
+RESULTS = DISK  # read by the `res` fixture (conftest.py)
 from distributed import free_port, ok
 
 

@@ -357,9 +357,8 @@ class Planner:
         return best if best.fits_host or not self.target.disk else self._to_disk(best)
 
     def _to_disk(self, p: Plan) -> Plan:
-        """Host memory does not hold the offloaded chunks' states: the fewest of them, the largest
-        first, go to the disk tier (host bytes shrink with each once the first has paid for the
-        slots: bisect the count)."""
+        """Host memory does not hold the offloaded chunks' states: the fewest of them, largest first,
+        go to disk (host bytes shrink with each once the first paid for the slots: bisect)."""
         off = sorted((c for c, h in enumerate(p.optimizer_on_host) if h), key=lambda c: -self.layout.padded[c])
 
         def with_disk(m: int) -> Plan:
@@ -367,7 +366,7 @@ class Planner:
             return self.evaluate(p.name, p.stage, p.cache_chunks, list(p.optimizer_on_host),
                                  [c in chosen for c in range(len(p.optimizer_on_host))])
         lo, hi = 1, len(off)
-        if not off or not with_disk(hi).fits_host:
+        if not off or not with_disk(hi).fits_host:  # nothing fits: the closest
             return with_disk(hi)
         while lo < hi:
             mid = (lo + hi) // 2
