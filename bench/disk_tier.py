@@ -15,7 +15,7 @@ gradients, fp32 master and two moments); the raw bandwidth of DIR's disk, measur
 tier's own files (TierFile: O_DIRECT, the same threads and record size) writing and reading
 --raw-gib GiB, before the model is built and again after training (a shared virtual disk varies:
 the steps are compared with the better of the two); then per step: forward+backward, the optimizer step split into its waits for disk
-reads and for slots being written, and the rest (the CPU Adam and the copies), the bytes read and
+reads and for frames being written, and the rest (the CPU Adam and the copies), the bytes read and
 written, the bandwidth the disk gave the step (bytes over the seconds a read, or a write, was in
 flight) next to the raw bandwidth, and the share of the step spent waiting on I/O. The peak
 resident memory of the process (getrusage) ends the report.
@@ -183,7 +183,7 @@ def main() -> None:
               flush=True)
     out["steps"] = rows
     out["peak_rss"] = peak_rss()
-    out["slot_bytes"] = tier.buffer_bytes()
+    out["frame_bytes"] = tier.buffer_bytes()
     del engine, tier  # the tier's files go with the engine: the disk is measured alone again
     import gc
     gc.collect()
@@ -203,7 +203,7 @@ def main() -> None:
               f"{row['read_of_raw']:.0%} of raw reading ({r:.2f}), writes {row['write_of_raw']:.0%} of raw "
               f"overwriting ({w:.2f})", flush=True)
     print(f"peak resident memory {out['peak_rss'] / 2**30:.1f} GiB of {ram / 2**30:.1f} GiB RAM; model states "
-          f"{16 * psi / 2**30:.1f} GiB; tier slots {out['slot_bytes'] / 2**30:.1f} GiB", flush=True)
+          f"{16 * psi / 2**30:.1f} GiB; tier frames {out['frame_bytes'] / 2**30:.1f} GiB", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

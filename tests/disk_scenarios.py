@@ -246,6 +246,41 @@ def _fault(rank, world, harm) -> dict:
     return out
 
 
+@scenario
+def disk_full_during_save(rank, world):
+    """A save that fails for a full disk (every rank unable to grow a file past 4 KiB) while the
+    disk tier streams its states into it: CheckpointError on every rank; the tier is intact (the
+    next step trains what the host tier trains), and the checkpoint before loads as it was saved."""
+    import resource
+    import signal
+    data = batches(3, world, 1)
+    root = _shared_root(rank, world)
+    cfg = {"stage": 2, "chunk_size": 20000}
+    host = zeroshard.initialize(tiny_gpt2(), make_adamw, {**cfg, "offload_optimizer": True})
+    train(host, data, rank)
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, disk(cfg))
+    train(engine, data[:1], rank)
+    engine.save_checkpoint(root, tag="A")
+    saved = engine.full_state_dict()
+    train(engine, data[1:2], rank)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limits[1]))
+    try:
+        raised = error_on_every_rank(lambda: engine.save_checkpoint(root, tag="B"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    train(engine, data[2:], rank)
+    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
+    fresh.load_checkpoint(root)
+    out = {"raised": raised, "after": max_diff(host.full_state_dict(), engine.full_state_dict()),
+           "checkpoint_intact": max_diff(saved, fresh.full_state_dict())}
+    every_rank(None)
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
+
+
 def _tier_file(engine, field="exp_avg") -> str:
     return engine.optim.tier.files[field].path
 

@@ -90,6 +90,13 @@ def test_a_broken_tier_raises_on_every_rank(res, fault, needle):  # noqa: F811
     assert got["checkpoint_intact"] == 0.0  # the last checkpoint loads as it was saved
 
 
+def test_a_save_to_a_full_disk_leaves_the_tier_and_the_last_checkpoint_intact(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_full_during_save")
+    assert all(e.startswith("CheckpointError") for e in got["raised"]), got["raised"]
+    assert got["after"] == 0.0 and got["checkpoint_intact"] == 0.0, got
+
+
 def test_an_unusable_offload_dir_is_named_on_every_rank(res):  # noqa: F811
     r, world = res
     raised = ok(r, "disk_unusable_directory")["raised"]

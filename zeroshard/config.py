@@ -59,8 +59,9 @@ class Config:
         uploaded when their chunk is gathered, so the device holds only what the rCache holds.
     offload: 'auto' = Elixir: profile the model, measure the machine, and let the planner choose the
         chunk size, the rCache size and, chunk by chunk, whether the optimizer states (stage 3: and the
-        parameter shard) live on the device or the host, for the fastest step that fits
-        (`zeroshard.initialize` then needs `example_inputs`). False = only what the offload_* keys say.
+        parameter shard) live on the device or the host (or, with offload_dir, past host_memory,
+        the disk tier), for the fastest step that fits (`zeroshard.initialize` then needs
+        `example_inputs`). False = only what the offload_* keys say.
     device_memory: bytes of device memory the planner may plan for (default: the device's total;
         on a machine without a GPU, its RAM). Set it to plan for a smaller device, or to leave room.
     delay_update_after: ZeRO-Offload's one-step delayed parameter update (DPU), for offload_optimizer

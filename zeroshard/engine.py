@@ -3,7 +3,7 @@
 Data path: model -> profile and plan (planning/, with offload="auto") -> chunks (runtime/chunks.py:
 parameters packed in order of first use, sharded) -> hooks (runtime/hooks.py: stage-3 gathers through
 the rCache; saved tensors) -> gradients into chunks, reduced as each completes (runtime/reducer.py) ->
-ShardedOptimizer (optim/: fp32 masters of owned ranges, on the device or the host) -> parameters pushed
+ShardedOptimizer (optim/: fp32 masters of owned ranges, on the device, the host or the disk tier) -> parameters pushed
 back -> state/ (checkpoints). assembly.py builds the parts in named steps; engine_io.py holds the
 methods that move state in and out. The engine owns the wiring and the training phase (TrainingPhase);
 each part owns its own state.

@@ -323,7 +323,7 @@ class ShardedOptimizer(DelayedUpdate):
                 if slot is not None:
                     self._staging[slot] = (self._staging[slot][0], upload)
                 upload.wait()
-                if target is None and c.placement.optimizer_on_disk:  # it reads the tier's slot
+                if target is None and c.placement.optimizer_on_disk:  # it reads the tier's frame
                     upload.sync()
             else:  # master on the device, shard offloaded to the host: download
                 c.transfer.to_host(c.master if target is None else target, out=c.shard).wait()

@@ -15,7 +15,7 @@ The terms (budget, loads, plan, cache_chunks: docs/vocabulary.md) as this planne
   (16 bytes per shard element with Adam). A host chunk keeps them all in host memory (stage 3: its
   16-bit shard too, uploaded on each gather), and steps on the CPU. A disk chunk steps on the CPU too,
   but its fp32 master and optimizer states live in the disk tier (runtime/disk_tier.py): the host
-  keeps its gradient shard (stage 3: and its 16-bit shard) plus the tier's slots (SLOTS records of
+  keeps its gradient shard (stage 3: and its 16-bit shard) plus the tier's frames (FRAMES records of
   the largest disk chunk), and each step reads and writes its record once (the host's ranks share
   the disk); what the CPU step does not hide of that I/O is exposed.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..runtime.disk_tier import SLOTS
+from ..runtime.disk_tier import FRAMES
 from ..runtime.packing import padded_numel
 from .hardware import GIB, Hardware
 from ..runtime.offload import Placement
@@ -291,7 +291,7 @@ class Planner:
         post = max((lay.padded[c] // n * e_p for c in host_chunks), default=0) / hw.h2d if stage == 2 else 0.0
         if stage == 2:
             post += grad_bytes * frac / hw.link
-        host += SLOTS * record
+        host += FRAMES * record
         # Each disk chunk's record is read and written once a step, on a disk the host's ranks share,
         # while the CPU steps the chunk before it: what the CPU step of disk chunks does not hide.
         io = disk * t.ranks_per_host * (1 / max(hw.disk_read, 1.0) + 1 / max(hw.disk_write, 1.0)) if disk else 0.0
@@ -358,7 +358,7 @@ class Planner:
 
     def _to_disk(self, p: Plan) -> Plan:
         """Host memory does not hold the offloaded chunks' states: the fewest of them, largest first,
-        go to disk (host bytes shrink with each once the first paid for the slots: bisect)."""
+        go to disk (host bytes shrink with each once the first paid for the frames: bisect)."""
         off = sorted((c for c, h in enumerate(p.optimizer_on_host) if h), key=lambda c: -self.layout.padded[c])
 
         def with_disk(m: int) -> Plan:

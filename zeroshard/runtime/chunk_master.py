@@ -1,6 +1,6 @@
 """A chunk's fp32 master (words: docs/vocabulary.md): made for trainable chunks and for ones
 unfrozen later, cut into master pieces (what the user's optimizer steps), and bound to the disk
-tier's slots while that holds it (disk_tier.py). Chunk (chunks.py) is the one class built on it.
+tier's frames while that holds it (disk_tier.py). Chunk (chunks.py) is the one class built on it.
 """
 from __future__ import annotations
 

@@ -1,18 +1,18 @@
 """The disk tier (ZeRO-Infinity's NVMe offload, config offload_optimizer="disk"): the fp32 masters
-and optimizer states of disk-tier chunks live in files, and pass through a few host slots.
+and optimizer states of disk-tier chunks live in files, and pass through a few host frames.
 
-Words (record, field, slot, adopted, open: docs/vocabulary.md):
+Words (record, field, frame, adopted, open: docs/vocabulary.md):
 - a chunk's *record* is its owned range's values in each *field*: "master" (fp32) and each
   elementwise optimizer state (exp_avg, momentum_buffer, ...: named and typed by the optimizer the
   first time it stores one). Each field is one TierFile (files/tier_files.py), one record per
   disk-tier chunk, of its owned range's length.
-- a *slot* is a set of aligned host buffers, one per field, each the size of the largest record:
-  the tier has a few (config: 4), whatever the model's size. A chunk is *open* while its record is
-  in a slot and bound: its master (Chunk.bind_master) and, through the binder the optimizer sets,
-  its optimizer states are views of the slot. Closing writes the record behind (or not, when
-  only read) and unbinds it; the slot is free again once the writes are on disk.
+- a *frame* is a set of aligned host buffers, one per field, each the size of the largest record:
+  the tier has FRAMES (4), whatever the model's size. A chunk is *open* while its record is
+  in a frame and bound: its master (Chunk.bind_master) and, through the binder the optimizer sets,
+  its optimizer states are views of the frame. Closing writes the record behind (or not, when
+  only read) and unbinds it; the frame is free again once the writes are on disk.
 - a chunk is *adopted* at its first open: until then its master is host memory as with
-  offload_optimizer=True; the first open copies it into the slot and lets the host memory go. The
+  offload_optimizer=True; the first open copies it into the frame and lets the host memory go. The
   optimizer adopts every disk-tier chunk once the chunks are built and filled (and again after a
   re-pack, and a chunk unfrozen later when it is thawed), so host memory holds every master only
   while the chunks are being built.
@@ -38,24 +38,24 @@ from ..errors import TierFileError, invariant
 from ..files.tier_files import IoMeter, TierFile, aligned_buffer, reclaim_stale
 
 MASTER = "master"
-SLOTS = 4  # host slots: one open, two read ahead, one written behind (the planner counts them too)
+FRAMES = 4  # host frames: one open, two read ahead, one written behind (the planner counts them too)
 _TIERS = itertools.count()  # this process's tiers: each names its files apart (two engines, one offload_dir)
 
 
-class SlotState(enum.Enum):
+class FrameState(enum.Enum):
     FREE = "free"
     READING = "reading"  # a read-ahead in flight
     OPEN = "open"  # bound to its chunk
     WRITING = "writing"  # written behind; free once the writes are done
 
 
-class Slot:
+class Frame:
     """One chunk's record in host memory: a buffer per field (grown as fields appear)."""
 
     def __init__(self, index: int):
         self.index = index
         self.buffers: dict[str, tuple[memoryview, torch.Tensor]] = {}  # field -> (bytes, its uint8 tensor)
-        self.state = SlotState.FREE
+        self.state = FrameState.FREE
         self.chunk = None
         self.record = -1
         self.pending = []  # futures of the reads or writes in flight
@@ -75,24 +75,24 @@ class DiskTier:
     attach(chunks) names the chunks (before the first open; again after a re-pack); the binder
     (set_binder) binds and unbinds the optimizer's states of a chunk as it is opened and closed."""
 
-    def __init__(self, directory: str, rank: int, slots: int = SLOTS, threads: int = 2):
-        if slots < 2:
-            raise ValueError("zeroshard: the disk tier needs at least 2 slots")
+    def __init__(self, directory: str, rank: int, frames: int = FRAMES, threads: int = 2):
+        if frames < 2:
+            raise ValueError("zeroshard: the disk tier needs at least 2 frames")
         self.directory = directory
         self.rank = rank
         self.name = f"rank{rank}.{os.getpid()}-{next(_TIERS)}"
         reclaim_stale(directory)
         TierFile(directory, f"{self.name}.probe", [1], threads=1).close()  # usable? TierFileError now, not later
-        self.slots = [Slot(i) for i in range(slots)]
+        self.frames = [Frame(i) for i in range(frames)]
         self.files: dict[str, TierFile] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self.record_of: dict[int, int] = {}  # id(chunk) -> its record
         self.numels: list[int] = []  # elements of each record
         self.adopted: set[int] = set()  # records whose values live in the tier
-        self.slot_of: dict[int, Slot] = {}  # record -> the slot it is in (reading, open or writing)
+        self.frame_of: dict[int, Frame] = {}  # record -> the frame it is in (reading, open or writing)
         self._bind = self._unbind = lambda c, view: None
         self.failed: Exception | None = None  # a failure that left the records inconsistent
-        # seconds the caller waited for reads / for a slot (writes to finish); bytes moved
+        # seconds the caller waited for reads / for a frame (writes to finish); bytes moved
         self.read_wait_s = self.write_wait_s = 0.0
         self.read_bytes = self.written_bytes = 0
         self.meter = IoMeter()  # the disk's busy seconds, both ways, over every field's file
@@ -114,7 +114,7 @@ class DiskTier:
 
     def set_binder(self, bind, unbind) -> None:
         """bind(chunk, view) after a chunk is opened, unbind(chunk, view) before it is closed;
-        view(name, dtype) is the chunk's values of a field in its slot (a new field is created)."""
+        view(name, dtype) is the chunk's values of a field in its frame (a new field is created)."""
         self._bind, self._unbind = bind, unbind
 
     def adopted_chunk(self, c) -> bool:
@@ -129,9 +129,9 @@ class DiskTier:
 
     def field(self, c, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Open chunk c's values of field `name` (created if new: what a load writes)."""
-        slot = self.slot_of.get(self.record_of[id(c)])
-        invariant(slot is not None and slot.state is SlotState.OPEN, lambda: f"chunk {c.index}'s record is not open")
-        return self._view(slot, name, dtype)
+        frame = self.frame_of.get(self.record_of[id(c)])
+        invariant(frame is not None and frame.state is FrameState.OPEN, lambda: f"chunk {c.index}'s record is not open")
+        return self._view(frame, name, dtype)
 
     def _field(self, name: str, dtype: torch.dtype) -> None:
         if name in self.dtypes:
@@ -144,73 +144,73 @@ class DiskTier:
                                     meter=self.meter, pool=self.pool, read_pool=self.read_pool)
         self.dtypes[name] = dtype
 
-    def _view(self, slot: Slot, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """A field of the slot's record as a 1-D tensor of its elements (created if new)."""
+    def _view(self, frame: Frame, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """A field of the frame's record as a 1-D tensor of its elements (created if new)."""
         self._field(name, dtype)
-        n = self.numels[slot.record]
+        n = self.numels[frame.record]
         size = torch.tensor([], dtype=dtype).element_size()
-        slot.buffer(name, max(self.numels) * size)
-        slot.present.add(name)
-        return slot.buffers[name][1][:n * size].view(dtype)
+        frame.buffer(name, max(self.numels) * size)
+        frame.present.add(name)
+        return frame.buffers[name][1][:n * size].view(dtype)
 
-    # -- slots ----------------------------------------------------------------------------------
-    def _finish(self, slot: Slot) -> None:
-        """Wait for the slot's I/O: READING -> ready to open, WRITING -> FREE. A read that failed
-        frees the slot too, so no later open takes what it left for the record's values."""
-        pending, slot.pending = slot.pending, []
+    # -- frames ----------------------------------------------------------------------------------
+    def _finish(self, frame: Frame) -> None:
+        """Wait for the frame's I/O: READING -> ready to open, WRITING -> FREE. A read that failed
+        frees the frame too, so no later open takes what it left for the record's values."""
+        pending, frame.pending = frame.pending, []
         t0 = time.perf_counter()
         try:
             for f in pending:
                 f.result()
         except BaseException:
-            if slot.state is SlotState.READING:
-                self._release(slot)
+            if frame.state is FrameState.READING:
+                self._release(frame)
             raise
         finally:
             waited = time.perf_counter() - t0
-            if slot.state is SlotState.WRITING:
+            if frame.state is FrameState.WRITING:
                 self.write_wait_s += waited
-                self._release(slot)
+                self._release(frame)
             else:
                 self.read_wait_s += waited
 
-    def _release(self, slot: Slot) -> None:
-        self.slot_of.pop(slot.record, None)
-        slot.state, slot.chunk, slot.record = SlotState.FREE, None, -1
+    def _release(self, frame: Frame) -> None:
+        self.frame_of.pop(frame.record, None)
+        frame.state, frame.chunk, frame.record = FrameState.FREE, None, -1
 
-    def _free_slot(self, block: bool) -> Slot | None:
-        for s in self.slots:
-            if s.state is SlotState.FREE:
+    def _free_frame(self, block: bool) -> Frame | None:
+        for s in self.frames:
+            if s.state is FrameState.FREE:
                 return s
-        writing = [s for s in self.slots if s.state is SlotState.WRITING]
+        writing = [s for s in self.frames if s.state is FrameState.WRITING]
         done = [s for s in writing if all(f.done() for f in s.pending)]
         if done or (writing and block):
             s = (done or writing)[0]
             self._finish(s)
             return s
         if block:
-            raise RuntimeError("zeroshard: every disk tier slot is open or reading: too many chunks open at once")
+            raise RuntimeError("zeroshard: every disk tier frame is open or reading: too many chunks open at once")
         return None
 
-    def _start_read(self, slot: Slot, c) -> None:
+    def _start_read(self, frame: Frame, c) -> None:
         record = self.record_of[id(c)]
-        slot.state, slot.chunk, slot.record, slot.present = SlotState.READING, c, record, set()
-        self.slot_of[record] = slot
+        frame.state, frame.chunk, frame.record, frame.present = FrameState.READING, c, record, set()
+        self.frame_of[record] = frame
         for name, f in self.files.items():
             if f.generations[record]:  # a field this chunk has (a state it never had is not read)
                 dtype = self.dtypes[name]
-                view = self._view(slot, name, dtype)
-                slot.pending.append(f.read(record, slot.buffers[name][0]))
+                view = self._view(frame, name, dtype)
+                frame.pending.append(f.read(record, frame.buffers[name][0]))
                 self.read_bytes += view.numel() * view.element_size()
 
     def read_ahead(self, c) -> None:
-        """Start reading adopted chunk c's record into a free slot, if one is free now (never waits)."""
+        """Start reading adopted chunk c's record into a free frame, if one is free now (never waits)."""
         record = self.record_of.get(id(c))
-        if record is None or record not in self.adopted or record in self.slot_of:
+        if record is None or record not in self.adopted or record in self.frame_of:
             return
-        slot = self._free_slot(block=False)
-        if slot is not None:
-            self._start_read(slot, c)
+        frame = self._free_frame(block=False)
+        if frame is not None:
+            self._start_read(frame, c)
 
     # -- open / close ----------------------------------------------------------------------------
     def fail(self, e: Exception) -> None:
@@ -219,34 +219,34 @@ class DiskTier:
         self.failed = self.failed or e
 
     def open(self, c) -> None:
-        """Bind chunk c's record: its master and (the binder) its optimizer states are slot views
+        """Bind chunk c's record: its master and (the binder) its optimizer states are frame views
         until close(c)."""
         if self.failed is not None:
             raise TierFileError(f"zeroshard: the disk tier failed in an earlier step ({self.failed}): its states are "
                                 "lost; resume from the last checkpoint")
         record = self.record_of[id(c)]
-        slot = self.slot_of.get(record)
-        if slot is not None and slot.state is SlotState.OPEN:
+        frame = self.frame_of.get(record)
+        if frame is not None and frame.state is FrameState.OPEN:
             raise RuntimeError(f"zeroshard: chunk {c.index}'s disk tier record is open already")
-        if slot is not None and slot.state is SlotState.WRITING:
-            self._finish(slot)  # on disk now: read back below (verified, as any other read)
-            slot = None
+        if frame is not None and frame.state is FrameState.WRITING:
+            self._finish(frame)  # on disk now: read back below (verified, as any other read)
+            frame = None
         if record not in self.adopted:  # its first open: from host memory into the tier
-            slot = self._free_slot(block=True)
-            slot.state, slot.chunk, slot.record, slot.present = SlotState.OPEN, c, record, set()
-            self.slot_of[record] = slot
-            view = self._view(slot, MASTER, torch.float32)
+            frame = self._free_frame(block=True)
+            frame.state, frame.chunk, frame.record, frame.present = FrameState.OPEN, c, record, set()
+            self.frame_of[record] = frame
+            view = self._view(frame, MASTER, torch.float32)
             view.copy_(c.master.detach())
-            slot.unsaved = True
+            frame.unsaved = True
             self.adopted.add(record)
         else:
-            if slot is None:
-                slot = self._free_slot(block=True)
-                self._start_read(slot, c)
-            self._finish(slot)
-            slot.state = SlotState.OPEN
-        c.bind_master(self._view(slot, MASTER, torch.float32))
-        self._bind(c, lambda name, dtype: self._view(slot, name, dtype))
+            if frame is None:
+                frame = self._free_frame(block=True)
+                self._start_read(frame, c)
+            self._finish(frame)
+            frame.state = FrameState.OPEN
+        c.bind_master(self._view(frame, MASTER, torch.float32))
+        self._bind(c, lambda name, dtype: self._view(frame, name, dtype))
 
     def close(self, c=None, write: bool = True) -> None:
         """Unbind chunk c and write its record behind (`write`: it may have changed). close() with
@@ -257,36 +257,36 @@ class DiskTier:
             self.read_pool.shutdown(wait=True)
             return
         record = self.record_of[id(c)]
-        slot = self.slot_of.get(record)
-        invariant(slot is not None and slot.state is SlotState.OPEN, lambda: f"chunk {c.index} closed but not open")
+        frame = self.frame_of.get(record)
+        invariant(frame is not None and frame.state is FrameState.OPEN, lambda: f"chunk {c.index} closed but not open")
         try:
-            self._unbind(c, lambda name, dtype: self._view(slot, name, dtype))
+            self._unbind(c, lambda name, dtype: self._view(frame, name, dtype))
         finally:
             c.bind_master(None)
-        if not (write or slot.unsaved):
-            self._release(slot)
+        if not (write or frame.unsaved):
+            self._release(frame)
             return
-        slot.state, slot.unsaved = SlotState.WRITING, False
-        for name in sorted(slot.present):
+        frame.state, frame.unsaved = FrameState.WRITING, False
+        for name in sorted(frame.present):
             nbytes = self.numels[record] * self.dtypes[name].itemsize
-            slot.pending.append(self.files[name].write(record, slot.buffers[name][0][:nbytes]))
+            frame.pending.append(self.files[name].write(record, frame.buffers[name][0][:nbytes]))
             self.written_bytes += nbytes
 
     def _drop_files(self) -> None:
         """Wait for all I/O, then remove every field's file (their values are not needed again)."""
-        for s in self.slots:
+        for s in self.frames:
             with contextlib.suppress(TierFileError):
                 self._finish(s)
         for f in self.files.values():
             f.close()
         self.files, self.adopted = {}, set()
-        for s in self.slots:
+        for s in self.frames:
             self._release(s)
 
     def flush(self) -> None:
         """Wait until every record written is on disk (TierFileError if a write failed)."""
-        for s in self.slots:
-            if s.state is SlotState.WRITING:
+        for s in self.frames:
+            if s.state is FrameState.WRITING:
                 self._finish(s)
 
     @contextlib.contextmanager
@@ -310,8 +310,8 @@ class DiskTier:
         return sum(sum(n for n, g in zip(f.sizes, f.generations) if g) for f in self.files.values())
 
     def buffer_bytes(self) -> int:
-        """Host bytes of the slots' buffers."""
-        return sum(len(raw) for s in self.slots for raw, _ in s.buffers.values())
+        """Host bytes of the frames' buffers."""
+        return sum(len(raw) for s in self.frames for raw, _ in s.buffers.values())
 
     def reset_counters(self) -> None:
         self.meter.reset()

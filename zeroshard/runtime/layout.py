@@ -206,7 +206,7 @@ class ChunkLayout:
         with c.master_values():
             if c.master is not None:
                 src, (lo, hi) = c.master.detach(), c.owned_range
-                if c.tier is not None:  # a slot of the disk tier, reused once the block ends
+                if c.tier is not None:  # a frame of the disk tier, reused once the block ends
                     src = src.clone()
             else:
                 src, (lo, hi) = c.shard, c.owned_range

@@ -15,9 +15,9 @@ skipped), `skipped_steps` (optimizer steps skipped since the start for a non-fin
 overflow, config nonfinite='skip'), and counts of parameters, chunks and padded elements.
 The disk tier (offload_optimizer='disk'): 'disk' in `model_state_bytes_by_device` (the records
 written there), and `disk_tier` ({'read_bytes', 'written_bytes' since the previous step;
-'read_wait_s', 'write_wait_s': what the step waited for reads and for slots being written;
+'read_wait_s', 'write_wait_s': what the step waited for reads and for frames being written;
 'read_busy_s', 'write_busy_s', 'io_busy_s': seconds with a read, a write, either in flight; 'buffer_bytes': the host
-slots}); None without it.
+frames}); None without it.
 Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): `shard_group_size` (G; the
 data-parallel world when not hybrid), `hpz_group_size` (None without hpZ) and
 `comm_elements_by_link` ({'inside': elements over the shard group or hpZ's secondary group,
