@@ -180,6 +180,27 @@ def disk_auto_plan(rank, world):
             "by_device": engine.stats()["model_state_bytes_by_device"], "predicted_disk": plan.disk_model_bytes}
 
 
+@scenario
+def disk_load_state_dict_midway(rank, world):
+    """model.load_state_dict after two steps writes the masters alone (the records' optimizer
+    states stay as they are on disk); the next steps equal the host tier's doing the same, and
+    full_state_dict reads the masters alone."""
+    data = batches(4, world, 1)
+    values = {k: v * 0.5 for k, v in tiny_gpt2(seed=3).state_dict().items()}
+    out = {}
+    for name, cfg in (("host", {"offload_optimizer": True}), ("disk", disk({}))):
+        e = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "chunk_size": 20000, **cfg})
+        train(e, data[:2], rank)
+        e.module.load_state_dict(values)
+        train(e, data[2:], rank)
+        out[name] = e.full_state_dict()
+        if name == "disk":
+            read = e.optim.tier.read_bytes  # since the last step: what full_state_dict read
+            out["read_by_state_dict"], out["masters"] = read, sum(4 * n for n in e.optim.tier.numels)
+    return {"diff": max_diff(out["host"], out["disk"]), "read_by_state_dict": out["read_by_state_dict"],
+            "masters": out["masters"]}
+
+
 def _shared_root(rank, world) -> str:
     root = tempfile.mkdtemp(prefix="zeroshard-ckpt-") if rank == 0 else None
     return every_rank(root)[0]

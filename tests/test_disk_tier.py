@@ -66,6 +66,13 @@ def test_offload_auto_uses_the_disk_only_past_host_memory(res):  # noqa: F811
     assert got["by_device"]["disk"] == got["predicted_disk"], (got["by_device"], got["predicted_disk"])
 
 
+def test_load_state_dict_midway_writes_the_masters_alone(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "disk_load_state_dict_midway")
+    assert got["diff"] == 0.0, got
+    assert got["read_by_state_dict"] == got["masters"], got  # no optimizer state read for a state dict
+
+
 def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: F811
     r, _ = res
     got = ok(r, "disk_checkpoint_round_trips")

@@ -20,7 +20,6 @@ class TieredStates:
     the disk tier's open and close."""
 
     def __init__(self, tier, optimizer):
-        self.tier = tier
         self.optimizer = optimizer  # () -> the torch optimizer
         tier.set_binder(self.bind, self.unbind)
 

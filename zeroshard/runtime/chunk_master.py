@@ -76,10 +76,10 @@ class ChunkMaster:
 
     @contextlib.contextmanager
     def master_values(self, write: bool = False):
-        """self.master holds the values for the block: a disk-tier chunk is opened (written back
-        after the block when `write`); any other one's master is where it always is."""
+        """self.master holds the values for the block: a disk-tier chunk is opened, its master alone
+        (written back after the block when `write`); any other one's master is where it always is."""
         if self.tier is None or not self.trainable:
             yield
         else:
-            with self.tier.opened(self, write):
+            with self.tier.opened(self, write, states=False):
                 yield

@@ -56,11 +56,11 @@ class Frame:
         self.index = index
         self.buffers: dict[str, tuple[memoryview, torch.Tensor]] = {}  # field -> (bytes, its uint8 tensor)
         self.state = FrameState.FREE
-        self.chunk = None
         self.record = -1
         self.pending = []  # futures of the reads or writes in flight
         self.present: set[str] = set()  # fields holding the record's values
         self.unsaved = False  # holds values the disk does not have yet (a chunk's first open)
+        self.states = True  # the optimizer's states were read and bound too (not a master-only open)
 
     def buffer(self, name: str, nbytes: int) -> memoryview:
         if name not in self.buffers or len(self.buffers[name][0]) < nbytes:  # new, or records grew (a re-pack)
@@ -139,7 +139,7 @@ class DiskTier:
                 raise TierFileError(f"zeroshard: the disk tier stores {name!r} as {self.dtypes[name]}; the optimizer "
                                     f"now gives it as {dtype}")
             return
-        size = torch.tensor([], dtype=dtype).element_size()
+        size = dtype.itemsize
         self.files[name] = TierFile(self.directory, f"{self.name}.{name}.tier", [n * size for n in self.numels],
                                     meter=self.meter, pool=self.pool, read_pool=self.read_pool)
         self.dtypes[name] = dtype
@@ -148,7 +148,7 @@ class DiskTier:
         """A field of the frame's record as a 1-D tensor of its elements (created if new)."""
         self._field(name, dtype)
         n = self.numels[frame.record]
-        size = torch.tensor([], dtype=dtype).element_size()
+        size = dtype.itemsize
         frame.buffer(name, max(self.numels) * size)
         frame.present.add(name)
         return frame.buffers[name][1][:n * size].view(dtype)
@@ -176,7 +176,7 @@ class DiskTier:
 
     def _release(self, frame: Frame) -> None:
         self.frame_of.pop(frame.record, None)
-        frame.state, frame.chunk, frame.record = FrameState.FREE, None, -1
+        frame.state, frame.record = FrameState.FREE, -1
 
     def _free_frame(self, block: bool) -> Frame | None:
         for s in self.frames:
@@ -192,12 +192,13 @@ class DiskTier:
             raise RuntimeError("zeroshard: every disk tier frame is open or reading: too many chunks open at once")
         return None
 
-    def _start_read(self, frame: Frame, c) -> None:
+    def _start_read(self, frame: Frame, c, states: bool = True) -> None:
         record = self.record_of[id(c)]
-        frame.state, frame.chunk, frame.record, frame.present = FrameState.READING, c, record, set()
+        frame.state, frame.record, frame.present, frame.states = FrameState.READING, record, set(), states
         self.frame_of[record] = frame
         for name, f in self.files.items():
-            if f.generations[record]:  # a field this chunk has (a state it never had is not read)
+            # a field this chunk has (a state it never had is not read); only the master for a master-only open
+            if f.generations[record] and (states or name == MASTER):
                 dtype = self.dtypes[name]
                 view = self._view(frame, name, dtype)
                 frame.pending.append(f.read(record, frame.buffers[name][0]))
@@ -218,9 +219,9 @@ class DiskTier:
         raises (the last checkpoint is what to resume from)."""
         self.failed = self.failed or e
 
-    def open(self, c) -> None:
-        """Bind chunk c's record: its master and (the binder) its optimizer states are frame views
-        until close(c)."""
+    def open(self, c, states: bool = True) -> None:
+        """Bind chunk c's record: its master and (the binder; not when `states` is False, for a
+        reader or writer of the master alone) its optimizer states are frame views until close(c)."""
         if self.failed is not None:
             raise TierFileError(f"zeroshard: the disk tier failed in an earlier step ({self.failed}): its states are "
                                 "lost; resume from the last checkpoint")
@@ -233,7 +234,7 @@ class DiskTier:
             frame = None
         if record not in self.adopted:  # its first open: from host memory into the tier
             frame = self._free_frame(block=True)
-            frame.state, frame.chunk, frame.record, frame.present = FrameState.OPEN, c, record, set()
+            frame.state, frame.record, frame.present, frame.states = FrameState.OPEN, record, set(), states
             self.frame_of[record] = frame
             view = self._view(frame, MASTER, torch.float32)
             view.copy_(c.master.detach())
@@ -242,11 +243,14 @@ class DiskTier:
         else:
             if frame is None:
                 frame = self._free_frame(block=True)
-                self._start_read(frame, c)
+                self._start_read(frame, c, states)
             self._finish(frame)
             frame.state = FrameState.OPEN
+        # A read ahead brought the states too; a master-only open leaves them as they are on disk.
+        frame.states = frame.states and states
         c.bind_master(self._view(frame, MASTER, torch.float32))
-        self._bind(c, lambda name, dtype: self._view(frame, name, dtype))
+        if frame.states:
+            self._bind(c, lambda name, dtype: self._view(frame, name, dtype))
 
     def close(self, c=None, write: bool = True) -> None:
         """Unbind chunk c and write its record behind (`write`: it may have changed). close() with
@@ -260,7 +264,8 @@ class DiskTier:
         frame = self.frame_of.get(record)
         invariant(frame is not None and frame.state is FrameState.OPEN, lambda: f"chunk {c.index} closed but not open")
         try:
-            self._unbind(c, lambda name, dtype: self._view(frame, name, dtype))
+            if frame.states:
+                self._unbind(c, lambda name, dtype: self._view(frame, name, dtype))
         finally:
             c.bind_master(None)
         if not (write or frame.unsaved):
@@ -290,14 +295,14 @@ class DiskTier:
                 self._finish(s)
 
     @contextlib.contextmanager
-    def opened(self, c, write: bool, adopt: bool = False):
-        """Chunk c open for the block; written back after it when `write`. Not adopted yet: its
-        master is host memory, used as it is, unless `adopt` (the optimizer's step)."""
+    def opened(self, c, write: bool, adopt: bool = False, states: bool = True):
+        """Chunk c open for the block (open's `states`); written back after it when `write`. Not
+        adopted yet: its master is host memory, used as it is, unless `adopt` (the optimizer's step)."""
         record = self.record_of.get(id(c))
         if record is None or (record not in self.adopted and not adopt):
             yield
             return
-        self.open(c)
+        self.open(c, states)
         ok = False
         try:
             yield

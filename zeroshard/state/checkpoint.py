@@ -52,10 +52,11 @@ def tiered(c) -> bool:
 
 
 class OneOpen:
-    """Disk-tier chunks opened one at a time, for as long as the next value asked for is theirs."""
+    """Disk-tier chunks opened one at a time (to be read), for as long as the next value asked for
+    is theirs."""
 
-    def __init__(self, write: bool = False):
-        self.write, self.chunk = write, None
+    def __init__(self):
+        self.chunk = None
 
     def values(self, c, get):
         """get(), with chunk c open."""
@@ -68,7 +69,7 @@ class OneOpen:
     def close(self) -> None:
         if self.chunk is not None:
             c, self.chunk = self.chunk, None
-            c.tier.close(c, write=self.write)
+            c.tier.close(c, write=False)
 
 
 def _optim_kinds(view) -> dict[str, dict[str, str]]:
