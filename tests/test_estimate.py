@@ -58,6 +58,11 @@ def test_the_papers_formulas(n):
         d, h = per_param(stage, n, offload=off)
         assert d + h == pytest.approx(per_param(stage, n)[0] + (2 / n if stage == 1 else 0))
     assert largest_model(32e9, 3, 64) == pytest.approx(128e9)
+    # the parameter tier moves the shard from the host to disk: the same total, 2 / N fewer host bytes
+    (d, h), (d2, h2) = per_param(3, n, offload="disk+params"), per_param(3, n, offload="disk+params-on-disk")
+    assert d == pytest.approx(0) and d2 == pytest.approx(0) and h - h2 == pytest.approx(2 / n)
+    assert estimate(1, 3, n, offload="disk+params-on-disk").disk - estimate(1, 3, n, offload="disk").disk == \
+        pytest.approx(2 / n)
 
 
 def test_bad_arguments():

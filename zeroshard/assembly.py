@@ -24,7 +24,7 @@ from .optim.param_groups import as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache
-from .runtime.disk_tier import DiskTier
+from .runtime.disk_tier import MASTERS, DiskTier, Holding, shards
 from .runtime.packing import auto_chunk_size
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
@@ -131,15 +131,18 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
     numels = [p.numel() for p in model.params]
     cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
-    placement = Placement(optimizer_on_host=bool(config.offload_optimizer), params_on_host=config.offload_params,
-                          optimizer_on_disk=config.offload_optimizer == "disk")
+    placement = Placement(optimizer_on_host=bool(config.offload_optimizer), params_on_host=bool(config.offload_params),
+                          optimizer_on_disk=config.offload_optimizer == "disk",
+                          params_on_disk=config.offload_params == "disk")
     chosen = planned.plan
     placement_of = (lambda i: placement) if chosen is None else (lambda i: chosen.placement(i, config.stage))
+    shard_tier = _disk_tier(planned.offload_dir, world, shards(config.dtype)) if placement.params_on_disk else None
     layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.shards, dtype=config.dtype,
                          device=world.device, transfer=world.transfer, chunk_size=max(cap, max(numels)),
                          placement_of=placement_of,  # the config's placement, or the plan's per chunk
-                         grad_dtype=config.grad_dtype)
-    cache = ChunkCache(world.shards, config.cache_chunks, config.prefetch)
+                         grad_dtype=config.grad_dtype, shard_tier=shard_tier)
+    cache = ChunkCache(world.shards, config.cache_chunks, config.prefetch,
+                       read_ahead=shard_tier.read_ahead if shard_tier is not None else None)
     reducer = GradientReducer(world.shards, config.stage, config.gradient_accumulation_steps)
     scaler = LossScaler(config.initial_loss_scale, config.loss_scale_window) if config.precision == "fp16" else None
     host = bool(config.offload_optimizer) or (chosen is not None and any(chosen.optimizer_on_host))
@@ -157,13 +160,13 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     return Parts(layout, cache, reducer, scaler, optim)
 
 
-def _disk_tier(directory: str, world: World) -> DiskTier:
-    """The disk tier, its directory tried on every rank: one rank's unusable directory raises
-    TierFileError on all of them. Its files are named by the rank among every rank (TP peers
-    included), so ranks sharing a node's disk never share one."""
+def _disk_tier(directory: str, world: World, holding: Holding = MASTERS) -> DiskTier:
+    """A disk tier (of masters, or of parameter shards), its directory tried on every rank: one
+    rank's unusable directory raises TierFileError on all of them. Its files are named by the rank
+    among every rank (TP peers included), so ranks sharing a node's disk never share one."""
     tier, error = None, None
     try:
-        tier = DiskTier(directory, world.world_comm.rank)
+        tier = DiskTier(directory, world.world_comm.rank, holding=holding)
     except TierFileError as e:
         error = e
     errors = world.world_comm.all_gather_objects(None if error is None else str(error))
@@ -182,6 +185,7 @@ def pack(parts: Parts, model: Model, start: InitialValues, planned: Planned, wor
     order = model.params if profile is None else [model.params[i] for i in profile.first_use]
     parts.layout.build(order, start.fill, broadcast=start.broadcast)
     start.finish(world.world_comm, model.params, parts.layout.chunks, world.device)
+    parts.layout.adopt_shards()
     parts.cache.set_chunks(parts.layout.chunks)
     parts.optim.attach(parts.layout.chunks)
 

@@ -57,6 +57,9 @@ class Config:
         the disk tier when offload_dir is set.
     offload_params: stage 3 only: the 16-bit parameter shards also live in host memory and are
         uploaded when their chunk is gathered, so the device holds only what the rCache holds.
+        'disk' (with offload_optimizer='disk'): they live in the disk tier's files instead, each
+        read when its chunk is gathered (the rCache reading a few ahead along its schedule) and
+        written by the step, so neither the device nor the host holds the model's parameters.
     offload: 'auto' = Elixir: profile the model, measure the machine, and let the planner choose the
         chunk size, the rCache size and, chunk by chunk, whether the optimizer states (stage 3: and the
         parameter shard) live on the device or the host (or, with offload_dir, past host_memory,
@@ -148,7 +151,7 @@ class Config:
     offload_optimizer: bool | str = False
     offload_dir: str | None = None
     host_memory: int | None = None
-    offload_params: bool = False
+    offload_params: bool | str = False  # True, False or 'disk'
     offload_activations: bool = False
     delay_update_after: int | None = None
     offload: bool | str = False
@@ -237,7 +240,15 @@ class Config:
             bad("offload_dir", "a directory (a string)")
         if self.host_memory is not None and (not is_int(self.host_memory) or self.host_memory < 1):
             bad("host_memory", "bytes (an integer >= 1), or None for the host's RAM")
-        for key in ("prefetch", "check_order", "offload_params", "offload_activations",
+        if not (isinstance(self.offload_params, bool) or self.offload_params == "disk"):
+            bad("offload_params", "true, false or 'disk'")
+        if self.offload_params == "disk" and self.offload_optimizer != "disk":
+            raise ConfigError("zeroshard config: offload_params='disk' keeps parameter shards in the disk tier: it "
+                              "needs offload_optimizer='disk' (and offload_dir) too")
+        if self.offload_params == "disk" and self.hpz_group_size is not None:
+            raise ConfigError("zeroshard config: offload_params='disk' with hpz_group_size is not supported yet: "
+                              "choose one")
+        for key in ("prefetch", "check_order", "offload_activations",
                     "cast_forward_inputs", "allow_nonfinite_weights"):
             if not isinstance(getattr(self, key), bool):
                 bad(key, "true or false")
@@ -320,7 +331,8 @@ class Config:
                 raise ConfigError("zeroshard config: hpz_group_size is not planned by offload/stage 'auto' yet; "
                                   "set the stage and offload yourself with it")
         if self.offload_params and self.stage != 3:
-            raise ConfigError(f"zeroshard config: offload_params=True needs stage 3 (got stage {self.stage}): "
+            raise ConfigError(f"zeroshard config: offload_params={self.offload_params!r} needs stage 3 (got stage "
+                              f"{self.stage}): "
                              "only stage 3 keeps parameters sharded between uses")
 
     def to_dict(self) -> dict[str, Any]:

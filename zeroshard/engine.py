@@ -70,6 +70,8 @@ class Engine(EngineIO):
             weakref.finalize(self, self._arrivals.settle)
         if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
             weakref.finalize(self, self.optim.tier.close)
+        if self.layout.shard_tier is not None:
+            weakref.finalize(self, self.layout.shard_tier.close)
         self._follow_schedule()
 
     def _set_counters(self) -> None:
@@ -172,6 +174,7 @@ class Engine(EngineIO):
         if order is not None and self.layout.differs(order):
             self.cache.flush()
             self.layout.repack(order)
+            self.layout.adopt_shards()
             self.cache.set_chunks(self.chunks)
             self.optim.attach(self.chunks)
         self.layout.finalize()
@@ -316,8 +319,8 @@ class Engine(EngineIO):
             self.optim.zero_grads()
             self.reducer.cleared()
             self.grads_pending = False
-        if self.stage == 3:
-            self.cache.flush()
+            if self.stage == 3:  # a step that failed part way may have changed shards: gather them anew
+                self.cache.flush()
         if self._arrivals is not None:
             self._arrivals.arm(self.chunks)
         self._set_steps(self.steps + int(applied))

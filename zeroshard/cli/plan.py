@@ -11,7 +11,7 @@ from .model import describe_hardware, example_inputs, load_model, target_hardwar
 
 
 def cmd_estimate(args) -> int:
-    from ..planning.estimate import estimate, largest_model, load_host_bytes, table1, table2
+    from ..planning.estimate import PARAMS_ON_DISK, estimate, largest_model, load_host_bytes, table1, table2
     if args.paper:
         head = ("DP",) + tuple(f"{m} {s}" for m in ("7.5B", "128B", "1T") for s in ("P_os", "P_os+g", "P_os+g+p"))
         print("ZeRO Table 1: per-device model-state memory (GB), mixed-precision Adam (K = 12)")
@@ -40,9 +40,10 @@ def cmd_estimate(args) -> int:
     print(f"{source}; {args.precision}, {args.optimizer}{tp}; model states per GPU in GB (1e9 bytes), "
           "device / host (+ disk: the disk tier, offload_optimizer='disk')")
     configs = [(s, "none") for s in range(4)] + [(s, "optimizer") for s in (1, 2, 3)] + [(3, "optimizer+params")] \
-        + [(s, "disk") for s in (1, 2, 3)] + [(3, "disk+params")]
+        + [(s, "disk") for s in (1, 2, 3)] + [(3, "disk+params"), (3, PARAMS_ON_DISK)]
     names = {"none": "", "optimizer": " + offload", "optimizer+params": " + offload + params",
-             "disk": " + disk tier", "disk+params": " + disk tier + params"}
+             "disk": " + disk tier", "disk+params": " + disk tier + params",
+             PARAMS_ON_DISK: " + disk tier + params on disk"}
     head = ("stage",) + tuple(f"{n} GPUs" if n > 1 else "1 GPU" for n in args.gpus)
     rows = []
     for stage, off in configs:

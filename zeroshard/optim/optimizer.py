@@ -223,11 +223,13 @@ class ShardedOptimizer(DelayedUpdate):
         failure = None
         for c in [self.chunks[j] for j in disk[:2]]:
             self.tier.read_ahead(c)
+        # offload_params='disk': the step overwrites each shard's record whole (shard_values(fresh))
+        shard_tiers = list({id(c.shard_tier): c.shard_tier for c in self.chunks if c.shard_tier is not None}.values())
         try:
             for i in one_by_one:
                 c = self.chunks[i]
                 with self.tier.opened(c, write=True, adopt=True) if c.placement.optimizer_on_disk \
-                        else contextlib.nullcontext():
+                        else contextlib.nullcontext(), c.shard_values(write=True, fresh=True):
                     for d in ahead.get(i, ()):
                         self.tier.read_ahead(d)
                     load(c, grads[i], present[i])
@@ -238,14 +240,18 @@ class ShardedOptimizer(DelayedUpdate):
                     finish(c, target)
             if disk:
                 self.tier.flush()
+            for t in shard_tiers:
+                t.flush()
         except TierFileError as e:
             failure = e
-            self.tier.fail(e)
+            for t in [self.tier, *shard_tiers]:
+                t.fail(e)
         if disk:
             try:
                 agree_on_tier(comm, failure)
             except TierFileError as e:  # every rank's records are now a step apart from some other's
-                self.tier.fail(e)
+                for t in [self.tier, *shard_tiers]:
+                    t.fail(e)
                 raise
         self._drop_grads()
         return True, False, norm

@@ -20,7 +20,9 @@ padding aside; `telemetry.stats.chunk_state_bytes` counts it):
 - offload "disk" (offload_optimizer='disk', the disk tier) keeps the host's share of "optimizer"
   but its optimizer states and fp32 master (4 bytes even in fp32 training: the compute copy is not
   written to disk) on disk: (k_states + 4) Psi / N there; the host keeps the gradient shard. The
-  tier's few host slots (runtime/disk_tier.py) are buffers, not model states.
+  tier's few host frames (runtime/disk_tier.py) are buffers, not model states. "disk+params"
+  keeps the parameter shard on the host as "params" does; "disk+params-on-disk" (offload_params=
+  'disk', stage 3) puts it on disk too: p Psi / N more there, none on the host.
 
 Activation checkpoints (ZeRO-R, the paper's sections 6.1 and 8): a transformer checkpointed at each
 block's input keeps layers x batch x seq x hidden values per rank. Tensor parallelism replicates
@@ -39,6 +41,8 @@ from decimal import ROUND_HALF_UP, Decimal
 
 OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+PARAMS_ON_DISK = "disk+params-on-disk"
+OFFLOADS = ("none", "optimizer", "params", "optimizer+params", "disk", "disk+params", PARAMS_ON_DISK)
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class Estimate:
     """Model-state bytes per rank, on the device and on the host."""
 
     stage: int
-    offload: str  # "none", "optimizer", "params" or "optimizer+params"
+    offload: str  # one of OFFLOADS
     device: float
     host: float
     disk: float = 0.0
@@ -60,9 +64,8 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
         raise ValueError(f"mp (the tensor-parallel degree) must be an integer >= 1, got {mp!r}")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0-3, got {stage}")
-    if offload not in ("none", "optimizer", "params", "optimizer+params", "disk", "disk+params"):
-        raise ValueError("offload must be 'none', 'optimizer', 'params', 'optimizer+params', 'disk' or "
-                         f"'disk+params', got {offload!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
     if offload != "none" and stage == 0:
         raise ValueError("offload needs stage >= 1")
     if "params" in offload and stage != 3:
@@ -84,15 +87,17 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
             host += g / n
     if "params" in offload:
         device -= params
-        host += params
+        host += 0.0 if offload == PARAMS_ON_DISK else params
     return device / mp, host / mp
 
 
 def disk_per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = "adam",
                    offload: str = "none", mp: int = 1) -> float:
     """Bytes per parameter in the disk tier on one rank (before dividing by `mp`, as per_param's
-    figures are before their last step): the fp32 master and the optimizer states of its shard."""
-    return (OPTIMIZER_BYTES[optimizer] + 4) / world if "disk" in offload else 0.0
+    figures are before their last step): the fp32 master and the optimizer states of its shard
+    (and with "disk+params-on-disk", the parameter shard)."""
+    shard = COMPUTE_BYTES[precision] / world if offload == PARAMS_ON_DISK else 0.0
+    return (OPTIMIZER_BYTES[optimizer] + 4) / world + shard if "disk" in offload else 0.0
 
 
 def estimate(params: float, stage: int, world: int, **kw) -> Estimate:

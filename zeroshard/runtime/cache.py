@@ -26,11 +26,15 @@ from .chunks import Chunk, ChunkState
 from ..errors import invariant
 
 log = logging.getLogger("zeroshard")
+READ_AHEAD = 3  # shards read ahead past the chunk prefetched (the parameter tier has 4 frames)
 
 
 class ChunkCache:
-    def __init__(self, comm, cache_chunks: int | None, prefetch: bool):
+    def __init__(self, comm, cache_chunks: int | None, prefetch: bool, read_ahead=None):
         self.comm = comm
+        # offload_params='disk': read_ahead(chunk) starts reading a shard from the parameter tier
+        # (disk_tier.py), called for the chunks past the one prefetched, as far as frames are free
+        self.read_ahead = read_ahead
         self.cache_chunks = cache_chunks
         self.prefetch_enabled = prefetch
         self.cached: OrderedDict[int, Chunk] = OrderedDict()  # gathered or gathering, LRU first
@@ -94,7 +98,13 @@ class ChunkCache:
             self._gather(chunk)
         self.cached.move_to_end(chunk.index)
         if chunk.state is ChunkState.GATHERING:
-            chunk.finish_gather()
+            try:
+                chunk.finish_gather()
+            except BaseException:  # not gathered (a shard the parameter tier could not read): not cached
+                if chunk.state is ChunkState.SHARDED:
+                    self.cached.pop(chunk.index)
+                    self._bytes -= chunk.full_bytes
+                raise
         self.pins[chunk.index] = self.pins.get(chunk.index, 0) + 1
         self._maybe_prefetch()
 
@@ -205,7 +215,9 @@ class ChunkCache:
             return
         sched = self.schedule
         j = self.cursor
-        if j >= len(sched) or sched[j] in self.cached:
-            return
-        if self._make_room(1):  # a prefetch never goes over cache_chunks
+        if j < len(sched) and sched[j] not in self.cached and self._make_room(1):  # never over cache_chunks
             self._start_gather(self.chunks_by_index[sched[j]])
+        if self.read_ahead is not None:
+            for i in sched[j + 1:j + 1 + READ_AHEAD]:
+                if i not in self.cached:
+                    self.read_ahead(self.chunks_by_index[i])

@@ -43,7 +43,8 @@ class ChunkMaster:
             self.master = self.shard
         else:
             self.master = self.new_master()
-            self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
+            with self.shard_values():
+                self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
         self.pieces = self._master_pieces()
         if self.stage <= 1:
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)

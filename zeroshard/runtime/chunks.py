@@ -15,11 +15,12 @@ import enum
 
 import torch
 
-from ..errors import invariant
+from ..errors import TierFileError, invariant
 from .offload import Pending, Placement, Transfer, fold_host_grad
 from ..distributed.ordering import GATHER, REDUCE
 from ..distributed.tensor_parallel import set_local
 from .chunk_master import ChunkMaster
+from .chunk_shard_tier import ShardInTier
 from .packing import Fill, MasterPiece, Slot, fill_chunk, padded_numel
 from .secondary import SecondaryShard
 
@@ -37,7 +38,7 @@ class GradState(enum.Enum):
     REDUCED = "reduced"  # ... and it finished during backward
 
 
-class Chunk(ChunkMaster):
+class Chunk(ChunkMaster, ShardInTier):
     """One chunk: its storage for a given stage, and the moves between its states.
 
     Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
@@ -86,6 +87,8 @@ class Chunk(ChunkMaster):
             if stage == 3 and secondary[1] > 1 else None
         self.master = None
         self.tier = None  # the disk tier holding the master once adopted (keep_master_in)
+        self.shard_tier = None  # stage 3, offload_params='disk': the tier holding the shard (keep_shard_in)
+        self.gather_flags = None  # ... and the ranks' read failures, gathered beside the chunk
         # fp32 training with master and shard on the same side: the optimizer updates the compute
         # storage itself; otherwise the master is an fp32 copy on the optimizer's side (the disk
         # tier's always: the shard is not written behind).
@@ -155,7 +158,8 @@ class Chunk(ChunkMaster):
         if self.full is not None and self.stage < 3:
             put(self.full, 0)
         else:
-            put(self.shard, self.shard_range[0])
+            with self.shard_values(write=True):
+                put(self.shard, self.shard_range[0])
             self.forget_secondary()
         if self.master is not None and not self.master_is_shard:
             with self.master_values(write=True):
@@ -221,7 +225,11 @@ class Chunk(ChunkMaster):
             self.gather_work = self.secondary.start_gather(self.full, comm, self.index)
             return
         shard = self.shard
-        if self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
+        if self.shard_tier is not None:  # read into this rank's own slot, then gather in place
+            lo, hi = self.shard_range
+            self._read_shard(self.full[lo:hi], comm)
+            shard = self.full[lo:hi]
+        elif self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
             lo, hi = self.shard_range
             shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
         self.gather_work = comm.all_gather(self.full, shard, async_op=True, tag=(GATHER, self.index))
@@ -234,13 +242,20 @@ class Chunk(ChunkMaster):
             self.gather_work.wait()
             self.gather_work = None
         self.state = ChunkState.GATHERED
+        if self.gather_flags is not None:
+            self._check_flags()
         self.bind_params()
 
     def release(self, stale: bool = False) -> None:
         """GATHERED -> SHARDED: free the full chunk (stage 3 only). hpZ: its values become this
         rank's secondary shard, unless `stale` (the parameters are about to change: the step)."""
         if self.state is ChunkState.GATHERING:
-            self.finish_gather()
+            try:
+                self.finish_gather()
+            except TierFileError:
+                if self.state is ChunkState.SHARDED:  # a prefetch whose shard every rank saw unread: the
+                    return  # next gather of it raises (the tier failed); a release, a flush, goes on
+                raise
         invariant(self.state is ChunkState.GATHERED, lambda: f"chunk {self.index}: release in {self.state}")
         if self.secondary is not None:
             self.secondary.forget() if stale else self.secondary.keep(self.full)

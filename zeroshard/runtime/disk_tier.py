@@ -22,6 +22,11 @@ written behind, so the step waits on the disk only where the disk is slower than
 Every other reader and writer of a master (checkpoints, state dicts, exports, loads) opens the
 chunk for as long as it needs it (Chunk.master_values). Records are verified when read
 (tier_files.py); any failure is TierFileError.
+
+A tier holds one kind of record (`Holding`): MASTERS (the optimizer's tier: the fp32 master, and
+the optimizer's states as further fields) or, with offload_params='disk' at stage 3, SHARDS (the
+parameter tier: each chunk's 16-bit shard alone, opened at each gather, the rCache reading ahead
+along its schedule, and opened `fresh` by the step, which overwrites it whole).
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,8 +45,29 @@ from ..errors import TierFileError, invariant
 from ..files.tier_files import IoMeter, TierFile, aligned_buffer, reclaim_stale
 
 MASTER = "master"
+SHARD = "shard"
 FRAMES = 4  # host frames: one open, two read ahead, one written behind (the planner counts them too)
 _TIERS = itertools.count()  # this process's tiers: each names its files apart (two engines, one offload_dir)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a tier's records hold of a chunk: the field every record has (`name`, in `dtype`), its
+    length in elements, where its values are before adoption, and how the chunk is pointed at
+    them (a frame's view, or None: nothing)."""
+    name: str
+    numel: Callable[[object], int]
+    values: Callable[[object], torch.Tensor]
+    bind: Callable[[object, torch.Tensor | None], None]
+    dtype: torch.dtype = torch.float32
+
+
+MASTERS = Holding(MASTER, lambda c: c.owned_numel, lambda c: c.master, lambda c, v: c.bind_master(v))
+
+
+def shards(dtype: torch.dtype) -> Holding:
+    """The parameter tier's records: stage-3 shards in the compute dtype."""
+    return Holding(SHARD, lambda c: c.shard_numel, lambda c: c.shard, lambda c, v: c.bind_shard(v), dtype)
 
 
 class FrameState(enum.Enum):
@@ -75,11 +103,13 @@ class DiskTier:
     attach(chunks) names the chunks (before the first open; again after a re-pack); the binder
     (set_binder) binds and unbinds the optimizer's states of a chunk as it is opened and closed."""
 
-    def __init__(self, directory: str, rank: int, frames: int = FRAMES, threads: int = 2):
+    def __init__(self, directory: str, rank: int, frames: int = FRAMES, threads: int = 2,
+                 holding: Holding = MASTERS):
         if frames < 2:
             raise ValueError("zeroshard: the disk tier needs at least 2 frames")
         self.directory = directory
         self.rank = rank
+        self.holding = holding
         self.name = f"rank{rank}.{os.getpid()}-{next(_TIERS)}"
         reclaim_stale(directory)
         TierFile(directory, f"{self.name}.probe", [1], threads=1).close()  # usable? TierFileError now, not later
@@ -108,9 +138,9 @@ class DiskTier:
         values having moved into the new chunks."""
         self._drop_files()
         self.record_of = {id(c): i for i, c in enumerate(chunks)}
-        self.numels = [c.owned_range[1] - c.owned_range[0] for c in chunks]
+        self.numels = [self.holding.numel(c) for c in chunks]
         self.dtypes = {}
-        self._field(MASTER, torch.float32)
+        self._field(self.holding.name, self.holding.dtype)
 
     def set_binder(self, bind, unbind) -> None:
         """bind(chunk, view) after a chunk is opened, unbind(chunk, view) before it is closed;
@@ -122,7 +152,7 @@ class DiskTier:
         return self.record_of.get(id(c), -1) in self.adopted
 
     def adopt(self, c) -> None:
-        """Move chunk c's master into the tier now (as its first step would)."""
+        """Move chunk c's values (its master, or shard) into the tier now (as its first open would)."""
         if not self.adopted_chunk(c):
             self.open(c)
             self.close(c)
@@ -188,8 +218,15 @@ class DiskTier:
             s = (done or writing)[0]
             self._finish(s)
             return s
+        reading = [s for s in self.frames if s.state is FrameState.READING]
+        if block and reading:  # a read ahead not asked for yet gives way (read again when it is)
+            s = reading[0]
+            with contextlib.suppress(TierFileError):
+                self._finish(s)
+            self._release(s)
+            return s
         if block:
-            raise RuntimeError("zeroshard: every disk tier frame is open or reading: too many chunks open at once")
+            raise RuntimeError("zeroshard: every disk tier frame is open: too many chunks open at once")
         return None
 
     def _start_read(self, frame: Frame, c, states: bool = True) -> None:
@@ -198,7 +235,7 @@ class DiskTier:
         self.frame_of[record] = frame
         for name, f in self.files.items():
             # a field this chunk has (a state it never had is not read); only the master for a master-only open
-            if f.generations[record] and (states or name == MASTER):
+            if f.generations[record] and (states or name == self.holding.name):
                 dtype = self.dtypes[name]
                 view = self._view(frame, name, dtype)
                 frame.pending.append(f.read(record, frame.buffers[name][0]))
@@ -219,9 +256,10 @@ class DiskTier:
         raises (the last checkpoint is what to resume from)."""
         self.failed = self.failed or e
 
-    def open(self, c, states: bool = True) -> None:
-        """Bind chunk c's record: its master and (the binder; not when `states` is False, for a
-        reader or writer of the master alone) its optimizer states are frame views until close(c)."""
+    def open(self, c, states: bool = True, fresh: bool = False) -> None:
+        """Bind chunk c's record: its master (shard) and (the binder; not when `states` is False, for
+        a reader or writer of the master alone) its optimizer states are frame views until close(c).
+        `fresh`: the caller overwrites the record whole: nothing is read, the values start at zero."""
         if self.failed is not None:
             raise TierFileError(f"zeroshard: the disk tier failed in an earlier step ({self.failed}): its states are "
                                 "lost; resume from the last checkpoint")
@@ -232,13 +270,20 @@ class DiskTier:
         if frame is not None and frame.state is FrameState.WRITING:
             self._finish(frame)  # on disk now: read back below (verified, as any other read)
             frame = None
-        if record not in self.adopted:  # its first open: from host memory into the tier
-            frame = self._free_frame(block=True)
+        h = self.holding
+        if record not in self.adopted or fresh:  # its first open: from host memory into the tier
+            if frame is not None:  # a read ahead, of values about to be overwritten
+                with contextlib.suppress(TierFileError):
+                    self._finish(frame)
+            else:
+                frame = self._free_frame(block=True)
             frame.state, frame.record, frame.present, frame.states = FrameState.OPEN, record, set(), states
             self.frame_of[record] = frame
-            view = self._view(frame, MASTER, torch.float32)
-            view.copy_(c.master.detach())
-            frame.unsaved = True
+            view = self._view(frame, h.name, h.dtype)
+            # unsaved: written at close even if not asked to (else the values would be lost); a fresh
+            # open of an adopted record is not: left unwritten (a failed step), the disk keeps the old
+            frame.unsaved = record not in self.adopted
+            view.copy_(h.values(c).detach()) if frame.unsaved else view.zero_()
             self.adopted.add(record)
         else:
             if frame is None:
@@ -248,7 +293,7 @@ class DiskTier:
             frame.state = FrameState.OPEN
         # A read ahead brought the states too; a master-only open leaves them as they are on disk.
         frame.states = frame.states and states
-        c.bind_master(self._view(frame, MASTER, torch.float32))
+        h.bind(c, self._view(frame, h.name, h.dtype))
         if frame.states:
             self._bind(c, lambda name, dtype: self._view(frame, name, dtype))
 
@@ -267,7 +312,7 @@ class DiskTier:
             if frame.states:
                 self._unbind(c, lambda name, dtype: self._view(frame, name, dtype))
         finally:
-            c.bind_master(None)
+            self.holding.bind(c, None)
         if not (write or frame.unsaved):
             self._release(frame)
             return
@@ -295,14 +340,15 @@ class DiskTier:
                 self._finish(s)
 
     @contextlib.contextmanager
-    def opened(self, c, write: bool, adopt: bool = False, states: bool = True):
-        """Chunk c open for the block (open's `states`); written back after it when `write`. Not
-        adopted yet: its master is host memory, used as it is, unless `adopt` (the optimizer's step)."""
+    def opened(self, c, write: bool, adopt: bool = False, states: bool = True, fresh: bool = False):
+        """Chunk c open for the block (open's `states` and `fresh`); written back after it when
+        `write`. Not adopted yet: its values are host memory, used as they are, unless `adopt` (the
+        optimizer's step)."""
         record = self.record_of.get(id(c))
         if record is None or (record not in self.adopted and not adopt):
             yield
             return
-        self.open(c, states)
+        self.open(c, states, fresh)
         ok = False
         try:
             yield

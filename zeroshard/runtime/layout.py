@@ -50,12 +50,14 @@ class ChunkLayout:
 
     def __init__(self, names: dict[int, str], shapes: dict[int, torch.Size], *, stage: int,
                  comm: Comm, dtype: torch.dtype, device: torch.device, transfer: Transfer, chunk_size: int,
-                 placement_of: Callable[[int], Placement], grad_dtype: torch.dtype | None = None):
+                 placement_of: Callable[[int], Placement], grad_dtype: torch.dtype | None = None,
+                 shard_tier=None):
         self.names, self.shapes = names, shapes
         self.stage, self.comm, self.dtype, self.device, self.transfer = stage, comm, dtype, device, transfer
         self.chunk_size = chunk_size  # elements per chunk (raised to the largest parameter)
         self.grad_dtype = grad_dtype or dtype
         self.placement_of = placement_of
+        self.shard_tier = shard_tier  # offload_params='disk': the parameter tier (disk_tier.py)
         self.real_params: Callable[[nn.Module], list] = direct_params  # see read_params_with
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, tuple[Chunk, Slot]] = {}  # id(param) -> its chunk and slot
@@ -124,6 +126,17 @@ class ChunkLayout:
 
         with self.comm.uncounted():
             self.build(order, fill, broadcast=False, prepare=prepare)
+
+    def adopt_shards(self) -> None:
+        """offload_params='disk': the chunks' shards go to the parameter tier now (once built and
+        filled; again after a re-pack, whose old chunks' records are dropped)."""
+        if self.shard_tier is None:
+            return
+        tiered = [c for c in self.chunks if c.placement.params_on_disk]
+        self.shard_tier.attach(tiered)
+        for c in tiered:
+            c.keep_shard_in(self.shard_tier)
+            self.shard_tier.adopt(c)
 
     def read_params_with(self, real_params: Callable[[nn.Module], list]) -> None:
         """How to list a module's direct parameters (stage 3: past its placeholders)."""
@@ -209,7 +222,8 @@ class ChunkLayout:
                 if c.tier is not None:  # a frame of the disk tier, reused once the block ends
                     src = src.clone()
             else:
-                src, (lo, hi) = c.shard, c.owned_range
+                with c.shard_values():
+                    src, (lo, hi) = c.shard.clone() if c.shard_tier is not None else c.shard, c.owned_range
         src = src.to(self.device)  # an offloaded shard: the collective runs on the device
         if (lo, hi) == (0, c.padded_numel):
             return src.float()

@@ -27,6 +27,7 @@ class Placement:
     optimizer_on_host: bool = False  # fp32 master, optimizer states and the step on the host
     optimizer_on_disk: bool = False  # ... and the master and states kept in the disk tier between steps
     params_on_host: bool = False  # stage 3: the 16-bit parameter shard lives on the host
+    params_on_disk: bool = False  # ... and in the parameter tier between uses (offload_params='disk')
 
 
 class Transfer:

@@ -51,25 +51,32 @@ def tiered(c) -> bool:
     return c.trainable and c.tier is not None and c.tier.adopted_chunk(c)
 
 
+def frozen_tiered(c) -> bool:
+    """Whether chunk c is frozen and its shard is in the parameter tier (offload_params='disk'):
+    its values are read and written there (a trainable one's come from its master)."""
+    return not c.trainable and c.shard_tier is not None and c.shard_tier.adopted_chunk(c)
+
+
 class OneOpen:
     """Disk-tier chunks opened one at a time (to be read), for as long as the next value asked for
-    is theirs."""
+    is theirs: in the optimizer's tier, or (a frozen chunk's shard) the parameter tier."""
 
     def __init__(self):
-        self.chunk = None
+        self.chunk = self.tier = None
 
     def values(self, c, get):
         """get(), with chunk c open."""
         if self.chunk is not c:
             self.close()
-            c.tier.open(c)
+            self.tier = c.shard_tier if frozen_tiered(c) else c.tier
+            self.tier.open(c)
             self.chunk = c
         return get()
 
     def close(self) -> None:
         if self.chunk is not None:
             c, self.chunk = self.chunk, None
-            c.tier.close(c, write=False)
+            self.tier.close(c, write=False)
 
 
 def _optim_kinds(view) -> dict[str, dict[str, str]]:
@@ -208,7 +215,7 @@ def _save_state(view, one: OneOpen) -> dict:
     for c in (view.chunks if view.shards.replica == 0 or split else ()):
         lo, hi = c.owned_range if split else c.shard_range
         base = c.owned_range[0]
-        lazy = tiered(c)
+        lazy = tiered(c) or frozen_tiered(c)
         # fp32 throughout: masters are; a frozen 16-bit shard is widened (exactly)
         src = None if lazy else c.master.detach() if c.trainable else c.shard[lo - base:hi - base].float()
         if not c.trainable:
@@ -216,7 +223,8 @@ def _save_state(view, one: OneOpen) -> dict:
         piece_of = {id(pc.slot): pc for pc in c.pieces}
         for s, start, a, b in runs(c, lo, hi):
             out[f"model.{s.name}"] = Piece(src[a - base:b - base], s.shape, start) if not lazy else LazyPiece(
-                lambda c=c, x=a - base, y=b - base: one.values(c, lambda: c.master.detach()[x:y]),
+                lambda c=c, x=a - base, y=b - base: one.values(
+                    c, lambda: c.master.detach()[x:y] if c.trainable else c.shard[x:y].float()),
                 b - a, torch.float32, s.shape, start)
             pc = piece_of.get(id(s))
             for k, v in (opt.state.get(pc.param, {}) if pc is not None else {}).items():

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .checkpoint import describe_model, mismatch, quiesce, runs, set_rng_state, tiered
+from .checkpoint import describe_model, frozen_tiered, mismatch, quiesce, runs, set_rng_state, tiered
 from ..files.checkpoint_dirs import held, lease
 from ..files.checkpoint_files import (Piece, SafeReader, dcp_load, failure, read_extra, read_meta, read_sums,
                                verify_all)
@@ -184,7 +184,7 @@ def _piece_state(view, kinds: dict):
     state, opt_state = {}, {}
     opt = view.optim.optimizer
     for c in view.chunks:
-        if tiered(c):
+        if tiered(c) or frozen_tiered(c):
             continue
         lo, hi = c.owned_range
         dst = (c.master if c.trainable else c.shard).detach()
@@ -215,6 +215,11 @@ def _load_tiered(view, kinds: dict, found: str) -> dict:
     and elementwise states), its 16-bit copy refreshed, the record written back. The optimizer's
     tiered states are meta tensors (tiered_states.py), returned as _piece_state's are."""
     opt_state = {}
+    for c in [c for c in view.chunks if frozen_tiered(c)]:  # a frozen shard in the parameter tier
+        with c.shard_values(write=True):
+            lo, hi = c.owned_range
+            state = {f"model.{s.name}": Piece(c.shard[a - lo:b - lo], s.shape, start) for s, start, a, b in runs(c, lo, hi)}
+            dcp_load(state, found, view.comm)
     for c in [c for c in view.chunks if tiered(c)]:
         c.tier.open(c)
         ok = False
@@ -235,7 +240,8 @@ def _load_tiered(view, kinds: dict, found: str) -> dict:
                         bufs[k] = torch.empty(pc.shape, dtype=torch.float32, device="meta")
                 opt_state[id(pc.param)] = bufs
             dcp_load(state, found, view.comm)
-            c.shard.copy_(c.master)
+            with c.shard_values(write=True, fresh=True):
+                c.shard.copy_(c.master)
             ok = True
         finally:
             c.tier.close(c, write=ok)

@@ -17,7 +17,8 @@ The disk tier (offload_optimizer='disk'): 'disk' in `model_state_bytes_by_device
 written there), and `disk_tier` ({'read_bytes', 'written_bytes' since the previous step;
 'read_wait_s', 'write_wait_s': what the step waited for reads and for frames being written;
 'read_busy_s', 'write_busy_s', 'io_busy_s': seconds with a read, a write, either in flight; 'buffer_bytes': the host
-frames}); None without it.
+frames}); None without it. With offload_params='disk', `param_tier` has the same figures for the
+parameter tier (its shards, read at each gather), whose bytes 'disk' counts too; None without it.
 Hybrid sharding (config shard_group_size) and hpZ (hpz_group_size): `shard_group_size` (G; the
 data-parallel world when not hybrid), `hpz_group_size` (None without hpZ) and
 `comm_elements_by_link` ({'inside': elements over the shard group or hpZ's secondary group,
@@ -92,8 +93,8 @@ def chunk_state_bytes(c) -> list[tuple[str, bool, int]]:
     'secondary' (hpZ), 'grads' or 'master' (the optimizer's own states are counted apart)."""
     el = torch.tensor([], dtype=c.dtype).element_size()
     gel = torch.tensor([], dtype=c.grad_dtype).element_size()
-    out = [("params", c.stage == 3 and c.placement.params_on_host,
-            (c.shard_numel if c.stage == 3 else c.padded_numel) * el)]
+    out = [] if c.shard_tier is not None else [  # a shard in the parameter tier: counted as "disk"
+        ("params", c.stage == 3 and c.placement.params_on_host, (c.shard_numel if c.stage == 3 else c.padded_numel) * el)]
     if c.secondary is not None:
         out.append(("secondary", False, c.secondary.nbytes))
     if c.trainable:
@@ -122,7 +123,28 @@ def model_state_bytes(chunks, optim) -> tuple[dict[str, int], dict[str, int]]:
     if optim.tier is not None:
         by_device["disk"] = optim.tier.bytes_on_disk()
         by_kind["optimizer"] += by_device["disk"]
+    params_tier = shard_tier(chunks)
+    if params_tier is not None:
+        by_device["disk"] = by_device.get("disk", 0) + params_tier.bytes_on_disk()
+        by_kind["params"] += params_tier.bytes_on_disk()
     return by_kind, by_device
+
+
+def shard_tier(chunks):
+    """The parameter tier (offload_params='disk'), or None."""
+    return next((c.shard_tier for c in chunks if c.shard_tier is not None), None)
+
+
+def tier_stats(tier) -> dict | None:
+    """A disk tier's figures since the last reset (which this starts)."""
+    if tier is None:
+        return None
+    out = {"read_bytes": tier.read_bytes, "written_bytes": tier.written_bytes, "read_wait_s": tier.read_wait_s,
+           "write_wait_s": tier.write_wait_s, "read_busy_s": tier.meter.busy_s["read"],
+           "write_busy_s": tier.meter.busy_s["write"], "io_busy_s": tier.meter.busy_s["any"],
+           "buffer_bytes": tier.buffer_bytes()}
+    tier.reset_counters()
+    return out
 
 
 def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, comm, shards, transfer, saved,
@@ -159,14 +181,8 @@ def step_stats(meter: dict, *, step: int, applied: bool, chunks, optim, cache, c
         "tensor_parallel": tp.degree if tp is not None else 1,
         "saved_activation_bytes": dict(saved.saved_bytes) if saved.saved_bytes is not None else None,
     }
-    tier = optim.tier
-    out["disk_tier"] = None if tier is None else {
-        "read_bytes": tier.read_bytes, "written_bytes": tier.written_bytes, "read_wait_s": tier.read_wait_s,
-        "write_wait_s": tier.write_wait_s, "read_busy_s": tier.meter.busy_s["read"],
-        "write_busy_s": tier.meter.busy_s["write"], "io_busy_s": tier.meter.busy_s["any"],
-        "buffer_bytes": tier.buffer_bytes()}
-    if tier is not None:
-        tier.reset_counters()
+    out["disk_tier"] = tier_stats(optim.tier)
+    out["param_tier"] = tier_stats(shard_tier(chunks))
     partition = saved.partition
     if partition is not None:
         out["pa_elements"], out["pa_fingerprints"] = partition.comm.elements, partition.fingerprints

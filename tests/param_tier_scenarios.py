@@ -1,0 +1,191 @@
+"""Scenarios of tests/test_param_tier.py: offload_params='disk' (stage 3: the 16-bit parameter
+shards in the disk tier's files, read at each gather, written by each step) trains bit for bit what
+offload_params=True trains, with frozen chunks, a re-pack and a thaw; its checkpoints go to and come
+from runs that keep the shards in host or device memory; a shard file harmed under a running job
+raises TierFileError on every rank at the next gather (none waits in it)."""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import torch
+
+import zeroshard
+from disk_scenarios import CASES, _OsWith, _shared_root, _UsedBackwards, disk, tier_dir
+from distributed import WorldResults, error_on_every_rank, every_rank, record
+from models import batches, digest, make_adamw, make_sgd, max_diff, tiny_gpt2, train
+
+SCENARIOS = {}
+HOST = {"offload_optimizer": True, "offload_params": True}  # what the parameter tier must equal
+
+
+def scenario(fn):
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def params_disk(cfg: dict, directory: str | None = None) -> dict:
+    return {**disk(cfg, directory), "offload_params": "disk"}
+
+
+def _add_grid():
+    for case, (prec, opt, extra) in CASES.items():
+        def fn(rank, world, prec=prec, opt=opt, extra=extra):
+            data = batches(3, world, 2, accumulation=2)
+            cfg = {"stage": 3, "precision": prec, "chunk_size": 20000, "gradient_accumulation_steps": 2, **extra}
+            host = zeroshard.initialize(tiny_gpt2(), opt, {**cfg, **HOST})
+            train(host, data, rank)
+            tiered = zeroshard.initialize(tiny_gpt2(), opt, params_disk(cfg))
+            train(tiered, data, rank)
+            s = tiered.stats()
+            return {"diff": max_diff(host.full_state_dict(), tiered.full_state_dict()),
+                    "digests": every_rank(digest(tiered.full_state_dict())), "param_tier": s["param_tier"],
+                    "by_device": s["model_state_bytes_by_device"], "by_kind": s["model_state_bytes_by_kind"],
+                    "num_params": s["num_params"],
+                    "host_by_kind": host.stats()["model_state_bytes_by_kind"],
+                    "shards": [c.shard.numel() for c in tiered.chunks],  # between uses: placeholders
+                    "shard_bytes": sum(c.shard_numel * c.full_bytes // c.padded_numel for c in tiered.chunks)}
+        SCENARIOS[f"pdisk_{case}"] = fn
+
+
+_add_grid()
+
+
+@scenario
+def pdisk_frozen_repacked_thawed(rank, world):
+    """Stage 3 with the shards on disk: a re-pack after the first micro-batch, a layer frozen
+    throughout (its shard's only copy is on disk), and a layer frozen at initialize and unfrozen
+    after the first step: each trains what the host tier trains."""
+    x = torch.randn(4, world, 6, 24, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name in ("repack", "frozen", "thaw"):
+        sds = []
+        for cfg in (HOST, params_disk({})):
+            m = _UsedBackwards()
+            if name in ("frozen", "thaw"):
+                m.b.requires_grad_(False)
+            e = zeroshard.initialize(m, make_sgd, {"stage": 3, "chunk_size": 600, **cfg})
+            for k in range(4):
+                if name == "thaw" and k == 1:
+                    m.b.requires_grad_(True)
+                e.backward(e(x[k, rank]))
+                e.step()
+            sds.append(e.full_state_dict())
+            first = e.chunks[0].slots[0].name
+        out[name] = max_diff(*sds)
+        out[f"{name}_first_packed"] = first
+    return out
+
+
+def _frozen_wpe() -> torch.nn.Module:
+    m = tiny_gpt2()
+    m.transformer.wpe.weight.requires_grad_(False)  # a frozen chunk: saved and loaded from its shard
+    return m
+
+
+@scenario
+def pdisk_checkpoint_round_trips(rank, world):
+    """Saved by a run with the shards on disk (one chunk frozen) after 2 of 4 steps, loaded by
+    the same kind of run, a host-tier and a device-only one, each finishing the 4 steps: all equal
+    the uninterrupted run. And back: a host-tier checkpoint loaded with the shards on disk."""
+    data = batches(4, world, 1)
+    cfg = {"stage": 3, "chunk_size": 20000}
+    root = _shared_root(rank, world)
+    whole = zeroshard.initialize(_frozen_wpe(), make_adamw, params_disk(cfg))
+    train(whole, data[:2], rank)
+    whole.save_checkpoint(root, tag="from_disk")
+    train(whole, data[2:], rank)
+    want = whole.full_state_dict()
+    out = {"frozen_chunks": sum(not c.trainable for c in whole.chunks)}
+    for name, c in (("disk", params_disk(cfg)), ("host", {**cfg, **HOST}), ("device", {**cfg, "stage": 2})):
+        e = zeroshard.initialize(_frozen_wpe(), make_adamw, c)
+        e.load_checkpoint(root, tag="from_disk")
+        train(e, data[2:], rank)
+        out[name] = max_diff(want, e.full_state_dict())
+        if name == "host":
+            h = zeroshard.initialize(_frozen_wpe(), make_adamw, {**cfg, **HOST})
+            train(h, data[:2], rank)
+            h.save_checkpoint(root, tag="from_host")
+    e = zeroshard.initialize(_frozen_wpe(), make_adamw, params_disk(cfg))
+    e.load_checkpoint(root, tag="from_host")
+    train(e, data[2:], rank)
+    out["host_to_disk"] = max_diff(want, e.full_state_dict())
+    every_rank(None)
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
+
+
+def _fault(rank, world, harm) -> dict:
+    """One step and a checkpoint, then `harm(engine)` on the last rank, then a second step: what
+    each rank raised, what a later forward raises, and whether the checkpoint loads as saved."""
+    data = batches(2, world, 1)
+    root = _shared_root(rank, world)
+    cfg = {"stage": 3, "chunk_size": 20000}
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, params_disk(cfg))
+    train(engine, data[:1], rank)
+    engine.save_checkpoint(root, tag="before")
+    saved = engine.full_state_dict()
+    if rank == world - 1:
+        harm(engine)
+    out = {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank))}
+    x = data[1, 0, rank]
+    out["again"] = error_on_every_rank(lambda: engine(input_ids=x, labels=x))
+    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
+    fresh.load_checkpoint(root)
+    out["checkpoint_intact"] = max_diff(saved, fresh.full_state_dict())
+    every_rank(None)
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
+
+
+def _shard_file(engine) -> str:
+    return engine.layout.shard_tier.files["shard"].path
+
+
+@scenario
+def pdisk_fault_truncated(rank, world):
+    return _fault(rank, world, lambda e: os.truncate(_shard_file(e), 4096))
+
+
+@scenario
+def pdisk_fault_removed(rank, world):
+    return _fault(rank, world, lambda e: os.remove(_shard_file(e)))
+
+
+@scenario
+def pdisk_fault_full(rank, world):
+    """The step's writes fail (a full disk) on the last rank: every rank raises at that step."""
+    import errno
+    import zeroshard.files.tier_files as tf
+
+    def fill(e):
+        def full(fd, buffers, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        tf.os = _OsWith(pwritev=full)
+    try:
+        return _fault(rank, world, fill)
+    finally:
+        tf.os = os
+
+
+@scenario
+def pdisk_files_removed_with_the_engine(rank, world):
+    d = tier_dir()
+    e = zeroshard.initialize(tiny_gpt2(), make_adamw, params_disk({"stage": 3, "chunk_size": 20000}, d))
+    train(e, batches(1, world, 1), rank)
+    during = sorted(os.listdir(d))
+    del e
+    import gc
+    gc.collect()
+    return {"during": during, "after": sorted(os.listdir(d))}
+
+
+def run(rank, world, out_path):
+    record(rank, out_path, [(name, functools.partial(fn, rank, world)) for name, fn in SCENARIOS.items()],
+           traceback_limit=-3)
+
+
+PARAM_DISK = WorldResults(run, "param_disk")
