@@ -10,6 +10,9 @@ bf16, zeroshard.CPUAdamW(lr 1e-4), offload_optimizer='disk' with offload_dir=DIR
 sequences of --seq random tokens per step (default 1 x 8: bf16 matmuls run at well under a
 GFLOP/s on this machine's CPU, and the figures wanted are the optimizer step's).
 
+--params-disk: stage 3 with offload_params='disk' (the shards in the tier too, read at each
+gather; the rCache holds --cache-chunks), so the host keeps only the gradient shards and buffers.
+
 Printed: the machine's RAM and the model's state bytes (16 per parameter: bf16 parameters and
 gradients, fp32 master and two moments); the raw bandwidth of DIR's disk, measured here with the
 tier's own files (TierFile: O_DIRECT, the same threads and record size) writing and reading
@@ -125,6 +128,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--raw-gib", type=float, default=4.0)
+    ap.add_argument("--params-disk", action="store_true", help="stage 3 with offload_params='disk': the 16-bit "
+                    "parameter shards in the tier too (read at each gather), the rCache at --cache-chunks")
+    ap.add_argument("--cache-chunks", type=int, default=4)
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -142,9 +148,12 @@ def main() -> None:
 
     t0 = time.perf_counter()
     model = build(args.n_layer, args.n_embd, args.seq)
-    engine = zeroshard.initialize(model, lambda ps: zeroshard.CPUAdamW(ps, lr=1e-4),
-                                  {"stage": 2, "precision": "bf16", "offload_optimizer": "disk",
-                                   "offload_dir": args.dir})
+    cfg = {"stage": 2, "precision": "bf16", "offload_optimizer": "disk", "offload_dir": args.dir}
+    if args.params_disk:
+        cfg.update(stage=3, offload_params="disk", cache_chunks=args.cache_chunks)
+    out["config"] = cfg
+    print(f"config {cfg}", flush=True)
+    engine = zeroshard.initialize(model, lambda ps: zeroshard.CPUAdamW(ps, lr=1e-4), cfg)
     tier = engine.optim.tier
     out["setup_s"] = time.perf_counter() - t0
     out["peak_rss_after_setup"] = peak_rss()
@@ -172,6 +181,11 @@ def main() -> None:
                "write_gbs": s["written_bytes"] / s["write_busy_s"] / 1e9 if s["write_busy_s"] else None,
                "io_gbs": (s["read_bytes"] + s["written_bytes"]) / s["io_busy_s"] / 1e9 if s["io_busy_s"] else None,
                "io_wait_share": waits / t_step}
+        p = engine.stats()["param_tier"]
+        if p is not None:  # the shards' reads (each gather) and writes (the step)
+            row["param_tier"] = p
+            print(f"step {i}: parameter tier: read {p['read_bytes'] / 1e9:.1f} GB (gathers waited "
+                  f"{p['read_wait_s']:.1f} s of forward+backward), wrote {p['written_bytes'] / 1e9:.1f} GB", flush=True)
         rows.append(row)
         print(f"step {i}: loss {row['loss']:.3f}; forward+backward {t_fb:.1f} s; optimizer step {t_step:.1f} s = "
               f"read waits {s['read_wait_s']:.1f} + write waits {s['write_wait_s']:.1f} + compute {row['compute_s']:.1f}"

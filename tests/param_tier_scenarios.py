@@ -30,7 +30,8 @@ def params_disk(cfg: dict, directory: str | None = None) -> dict:
 
 
 def _add_grid():
-    for case, (prec, opt, extra) in CASES.items():
+    cases = {**CASES, "bf16_cpuadamw_cache1": ("bf16", zeroshard.CPUAdamW, {"cache_chunks": 1})}  # evictions,
+    for case, (prec, opt, extra) in cases.items():  # prefetches let go, re-gathers in backward
         def fn(rank, world, prec=prec, opt=opt, extra=extra):
             data = batches(3, world, 2, accumulation=2)
             cfg = {"stage": 3, "precision": prec, "chunk_size": 20000, "gradient_accumulation_steps": 2, **extra}
@@ -117,12 +118,31 @@ def pdisk_checkpoint_round_trips(rank, world):
     return out
 
 
+@scenario
+def pdisk_load_state_dict_midway(rank, world):
+    """model.load_state_dict after two steps writes the shards (and masters) in their tiers; the next
+    steps, full_state_dict() and generate() equal the host tier's doing the same."""
+    data = batches(4, world, 1)
+    values = {k: v * 0.5 for k, v in tiny_gpt2(seed=3).state_dict().items()}
+    out = {}
+    for name, cfg in (("host", HOST), ("disk", params_disk({}))):
+        e = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 3, "chunk_size": 20000, **cfg})
+        train(e, data[:2], rank)
+        e.module.load_state_dict(values)
+        train(e, data[2:], rank)
+        out[name] = e.full_state_dict()
+        out[f"{name}_generated"] = e.module.generate(data[0, 0, rank][:1, :4], max_new_tokens=4, do_sample=False,
+                                                     pad_token_id=0).tolist()
+    return {"diff": max_diff(out["host"], out["disk"]), "generated": out["disk_generated"],
+            "same_generated": out["host_generated"] == out["disk_generated"]}
+
+
 def _fault(rank, world, harm) -> dict:
     """One step and a checkpoint, then `harm(engine)` on the last rank, then a second step: what
     each rank raised, what a later forward raises, and whether the checkpoint loads as saved."""
     data = batches(2, world, 1)
     root = _shared_root(rank, world)
-    cfg = {"stage": 3, "chunk_size": 20000}
+    cfg = {"stage": 3, "chunk_size": 20000, "cache_chunks": 2}  # prefetched chunks evicted, re-gathered
     engine = zeroshard.initialize(tiny_gpt2(), make_adamw, params_disk(cfg))
     train(engine, data[:1], rank)
     engine.save_checkpoint(root, tag="before")
@@ -157,13 +177,16 @@ def pdisk_fault_removed(rank, world):
 
 @scenario
 def pdisk_fault_full(rank, world):
-    """The step's writes fail (a full disk) on the last rank: every rank raises at that step."""
+    """The step's writes of shards fail (a full disk) on the last rank, its optimizer tier's
+    writes still succeeding: every rank raises at that step."""
     import errno
     import zeroshard.files.tier_files as tf
 
     def fill(e):
         def full(fd, buffers, offset):
-            raise OSError(errno.ENOSPC, "No space left on device")
+            if os.readlink(f"/proc/self/fd/{fd}").endswith(".shard.tier"):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return os.pwritev(fd, buffers, offset)
         tf.os = _OsWith(pwritev=full)
     try:
         return _fault(rank, world, fill)

@@ -18,7 +18,7 @@ RESULTS = PARAM_DISK  # read by the `res` fixture (conftest.py)
 from distributed import ok
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + ["bf16_cpuadamw_cache1"])
 def test_the_parameter_tier_trains_what_offloaded_parameters_train(res, case):  # noqa: F811
     r, _ = res
     got = ok(r, f"pdisk_{case}")
@@ -60,6 +60,12 @@ def test_parameter_tier_checkpoints_go_to_the_host_and_the_device_and_back(res):
     assert got == {"disk": 0.0, "host": 0.0, "device": 0.0, "host_to_disk": 0.0}, got
 
 
+def test_load_state_dict_and_generate_with_the_shards_on_disk(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "pdisk_load_state_dict_midway")
+    assert got["diff"] == 0.0 and got["same_generated"] and len(got["generated"][0]) == 8, got
+
+
 @pytest.mark.parametrize("fault, needle", [("truncated", "short read|truncated"), ("removed", "removed"),
                                            ("full", "disk is full")])
 def test_a_harmed_shard_file_raises_on_every_rank(res, fault, needle):  # noqa: F811
@@ -85,6 +91,10 @@ def test_the_shard_files_go_with_the_engine(res):  # noqa: F811
     ({"stage": 2, "offload_params": "disk", "offload_optimizer": "disk", "offload_dir": "/x"}, "needs stage 3"),
     ({"stage": 3, "offload_params": "disk", "offload_optimizer": "disk", "offload_dir": "/x", "hpz_group_size": 2},
      "hpz_group_size"),
+    ({"stage": 3, "offload_params": "disk", "offload_optimizer": "disk", "offload_dir": "/x", "shard_group_size": 2},
+     "shard_group_size"),
+    ({"stage": 3, "offload_params": "disk", "offload_optimizer": "disk", "offload_dir": "/x", "tensor_parallel": 2},
+     "tensor_parallel"),
     ({"stage": 3, "offload_params": "nvme", "offload_optimizer": "disk", "offload_dir": "/x"}, "offload_params"),
     ({"stage": 3, "offload_params": 1, "offload_optimizer": "disk", "offload_dir": "/x"}, "offload_params"),
 ])

@@ -245,9 +245,12 @@ class Config:
         if self.offload_params == "disk" and self.offload_optimizer != "disk":
             raise ConfigError("zeroshard config: offload_params='disk' keeps parameter shards in the disk tier: it "
                               "needs offload_optimizer='disk' (and offload_dir) too")
-        if self.offload_params == "disk" and self.hpz_group_size is not None:
-            raise ConfigError("zeroshard config: offload_params='disk' with hpz_group_size is not supported yet: "
-                              "choose one")
+        if self.offload_params == "disk":  # its read failures are agreed within the shard group only
+            other = [k for k, v in (("hpz_group_size", self.hpz_group_size), ("shard_group_size", self.shard_group_size),
+                                    ("tensor_parallel", self.tensor_parallel != 1)) if v not in (None, False)]
+            if other:
+                raise ConfigError(f"zeroshard config: offload_params='disk' with {other[0]} is not supported yet: "
+                                  "choose one")
         for key in ("prefetch", "check_order", "offload_activations",
                     "cast_forward_inputs", "allow_nonfinite_weights"):
             if not isinstance(getattr(self, key), bool):

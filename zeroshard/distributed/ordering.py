@@ -55,11 +55,12 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 # Kinds of tags. A tag is (micro-batch mod 2^20) << 40 | kind << 32 | chunk index.
-GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH = 1, 2, 3, 4, 5, 6
+GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH, SHARD_READ = 1, 2, 3, 4, 5, 6, 7
 _WHAT = {GATHER: "gather chunk {i}", REDUCE: "reduce the gradients of chunk {i}",
          STEP: "run the optimizer step", CHECKPOINT: "save or load a checkpoint or state dict",
          OTHER: "issue a blocking collective (a norm, a flag, a checkpoint's objects)",
-         PUBLISH: "all-gather the updated parameters"}
+         PUBLISH: "all-gather the updated parameters",
+         SHARD_READ: "tell whether chunk {i}'s shard was read from the parameter tier"}
 
 
 def order_tag(kind: int, chunk_index: int = 0, micro_batch: int = 0) -> int:

@@ -94,6 +94,9 @@ class ChunkCache:
     def acquire(self, chunk: Chunk) -> None:
         """Make `chunk` GATHERED and pin it."""
         self._note_use(chunk.index)
+        if chunk.index in self.cached and chunk.state is ChunkState.SHARDED:  # its gather failed elsewhere
+            self.cached.pop(chunk.index)  # (hooks.unpack_chunk_view): gathered anew (raising again)
+            self._bytes -= chunk.full_bytes
         if chunk.index not in self.cached:
             self._gather(chunk)
         self.cached.move_to_end(chunk.index)

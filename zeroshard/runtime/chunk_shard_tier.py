@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 
+from ..distributed.ordering import SHARD_READ
 from ..errors import TierFileError
 
 
@@ -48,8 +49,9 @@ class ShardInTier:
             failed = 1
         flags = torch.zeros(comm.world, dtype=torch.int32, device=self.device)
         flags[comm.rank] = failed
-        with comm.uncounted():
-            work = comm.all_gather(flags, flags[comm.rank:comm.rank + 1].clone(), async_op=True)
+        with comm.uncounted():  # tagged: with order checks on, issued in turn, not after a drain
+            work = comm.all_gather(flags, flags[comm.rank:comm.rank + 1].clone(), async_op=True,
+                                   tag=(SHARD_READ, self.index))
         self.gather_flags = (flags, work)
 
     def _check_flags(self) -> None:
@@ -61,7 +63,11 @@ class ShardInTier:
         if bad:  # back to SHARDED: the next use gathers (and, the tier having failed, raises) again
             self.full = None
             self.state = type(self.state).SHARDED
-            why = f" ({self.shard_tier.failed})" if self.shard_tier.failed is not None else ""
-            raise TierFileError(f"zeroshard: rank {bad[0]} could not read chunk {self.index}'s parameter shard from "
-                                f"its disk tier{why}; resume from the last checkpoint")
+            mine = self.shard_tier.failed
+            e = TierFileError(f"zeroshard: rank {bad[0]} could not read chunk {self.index}'s parameter shard from "
+                              f"its disk tier{f' ({mine})' if mine is not None else ''}; the model's parameters "
+                              "are lost: resume from the last checkpoint in a new engine")
+            # every rank's tier fails alike: each later read, on every rank, raises at the same place
+            self.shard_tier.fail(e)
+            raise e
 

@@ -256,6 +256,8 @@ class Chunk(ChunkMaster, ShardInTier):
                 if self.state is ChunkState.SHARDED:  # a prefetch whose shard every rank saw unread: the
                     return  # next gather of it raises (the tier failed); a release, a flush, goes on
                 raise
+        if self.state is ChunkState.SHARDED and self.shard_tier is not None and self.shard_tier.failed is not None:
+            return  # its gather failed (finish_gather raised): nothing was gathered
         invariant(self.state is ChunkState.GATHERED, lambda: f"chunk {self.index}: release in {self.state}")
         if self.secondary is not None:
             self.secondary.forget() if stale else self.secondary.keep(self.full)

@@ -242,11 +242,17 @@ class DiskTier:
                 self.read_bytes += view.numel() * view.element_size()
 
     def read_ahead(self, c) -> None:
-        """Start reading adopted chunk c's record into a free frame, if one is free now (never waits)."""
+        """Start reading adopted chunk c's record into a free frame, if one is free now (never waits,
+        never raises: a write found failed fails the tier, and the next open, which every rank
+        agrees on, raises)."""
         record = self.record_of.get(id(c))
-        if record is None or record not in self.adopted or record in self.frame_of:
+        if record is None or record not in self.adopted or record in self.frame_of or self.failed is not None:
             return
-        frame = self._free_frame(block=False)
+        try:
+            frame = self._free_frame(block=False)
+        except TierFileError as e:
+            self.fail(e)
+            return
         if frame is not None:
             self._start_read(frame, c)
 
