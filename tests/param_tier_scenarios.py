@@ -79,6 +79,31 @@ def pdisk_frozen_repacked_thawed(rank, world):
     return out
 
 
+@scenario
+def pdisk_packed_a_chunk_at_a_time(rank, world):
+    """While the model is packed, each chunk's master (optimizer tier) and shard (parameter tier)
+    go to disk as soon as that chunk is built: at no moment does host memory hold two chunks'."""
+    from zeroshard.optim.optimizer import ShardedOptimizer
+    original, out = ShardedOptimizer.take_built, {}
+    for name, cfg in (("stage2", disk({"stage": 2, "chunk_size": 20000})),
+                      ("stage3", params_disk({"stage": 3, "chunk_size": 20000}))):
+        seen, worst = [], [0, 0]
+
+        def spy(self, c):
+            original(self, c)
+            seen.append(c)
+            worst[0] = max(worst[0], sum(x.trainable and x.master.numel() > 0 for x in seen))
+            worst[1] = max(worst[1], sum(x.stage == 3 and x.shard.numel() > 0 for x in seen))
+        ShardedOptimizer.take_built = spy
+        try:
+            e = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
+        finally:
+            ShardedOptimizer.take_built = original
+        train(e, batches(1, world, 1), rank)
+        out[name] = {"chunks": len(seen), "host_masters": worst[0], "host_shards": worst[1]}
+    return out
+
+
 def _frozen_wpe() -> torch.nn.Module:
     m = tiny_gpt2()
     m.transformer.wpe.weight.requires_grad_(False)  # a frozen chunk: saved and loaded from its shard

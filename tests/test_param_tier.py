@@ -46,6 +46,13 @@ def test_the_estimate_is_what_the_parameter_tier_holds(res):  # noqa: F811
         assert want <= have <= 1.04 * want + 4096, (e, by)
 
 
+def test_masters_and_shards_go_to_disk_as_each_chunk_is_built(res):  # noqa: F811
+    r, _ = res
+    got = ok(r, "pdisk_packed_a_chunk_at_a_time")
+    for name in ("stage2", "stage3"):
+        assert got[name]["chunks"] >= 4 and got[name]["host_masters"] == 0 == got[name]["host_shards"], got
+
+
 def test_frozen_chunks_a_repack_and_a_thaw_with_the_shards_on_disk(res):  # noqa: F811
     r, _ = res
     got = ok(r, "pdisk_frozen_repacked_thawed")

@@ -189,6 +189,16 @@ class TierFile:
         with open(self.lease, "w") as f:
             f.write(me)
 
+    def add(self, size: int) -> int:
+        """One more record, of `size` bytes, past the others (the file grows as it is written).
+        Returns its index."""
+        with self._lock:
+            self.offsets.append(self.nbytes)
+            self.sizes.append(size)
+            self.generations.append(0)
+            self.nbytes += ALIGN + _round_up(size)
+            return len(self.sizes) - 1
+
     # -- I/O --------------------------------------------------------------------------------------
     def write(self, index: int, data) -> Future:
         """Write record `index` from `data` (a bytes-like object of its size; an aligned_buffer for

@@ -114,6 +114,16 @@ class ShardedOptimizer(DelayedUpdate):
                 if c.trainable:
                     self.tier.adopt(c)
 
+    def take_built(self, c) -> None:
+        """A chunk just built (ChunkLayout.when_built): a disk-tier one gets its record and its
+        master goes to disk now, before the next chunk is built, so host memory never holds every
+        master while the model is packed (attach keeps these records)."""
+        if self.tier is not None and c.placement.optimizer_on_disk:
+            self.tier.extend(c)
+            c.keep_master_in(self.tier)
+            if c.trainable:
+                self.tier.adopt(c)
+
     def adopt(self, chunks, thawed) -> None:
         """Start stepping the chunks in `thawed`, made trainable since the optimizer was built
         (parameters unfrozen after initialize): their master pieces join their parameters' param

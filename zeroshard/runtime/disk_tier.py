@@ -132,10 +132,24 @@ class DiskTier:
         self.read_pool = ThreadPoolExecutor(threads, thread_name_prefix="zeroshard-tier-read")
 
     # -- set-up ---------------------------------------------------------------------------------
+    def extend(self, c) -> None:
+        """A record for chunk c, just built, past the others': adopted at once, before the next
+        chunk is built, host memory never holds every master (shard) while a model is packed."""
+        record = len(self.numels)
+        self.numels.append(self.holding.numel(c))
+        self.record_of[id(c)] = record
+        for name, f in self.files.items():
+            f.add(self.numels[record] * self.dtypes[name].itemsize)
+        self._field(self.holding.name, self.holding.dtype)  # the first record: its file
+
     def attach(self, chunks) -> None:
-        """The disk-tier chunks, trainable or not (a frozen one is adopted if thawed). Again after
-        a re-pack (before the optimizer has state): the old chunks' records are dropped, their
-        values having moved into the new chunks."""
+        """The disk-tier chunks, trainable or not (a frozen one is adopted if thawed). Chunks given
+        records as they were built (extend) keep them: another chunk's (a re-pack's old chunks)
+        are forgotten, their values having moved into the new chunks. Otherwise every record is
+        dropped and the chunks numbered afresh."""
+        if chunks and all(id(c) in self.record_of for c in chunks):
+            self.record_of = {id(c): self.record_of[id(c)] for c in chunks}
+            return
         self._drop_files()
         self.record_of = {id(c): i for i, c in enumerate(chunks)}
         self.numels = [self.holding.numel(c) for c in chunks]
@@ -152,9 +166,10 @@ class DiskTier:
         return self.record_of.get(id(c), -1) in self.adopted
 
     def adopt(self, c) -> None:
-        """Move chunk c's values (its master, or shard) into the tier now (as its first open would)."""
+        """Move chunk c's values (its master, or shard) into the tier now (as its first open would;
+        it has no optimizer state yet)."""
         if not self.adopted_chunk(c):
-            self.open(c)
+            self.open(c, states=False)
             self.close(c)
 
     def field(self, c, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -363,8 +378,10 @@ class DiskTier:
             self.close(c, write=write and ok)
 
     def bytes_on_disk(self) -> int:
-        """Bytes of the records written so far (payloads, not headers)."""
-        return sum(sum(n for n, g in zip(f.sizes, f.generations) if g) for f in self.files.values())
+        """Bytes of the chunks' records written so far (payloads, not headers; not a re-pack's old chunks')."""
+        live = set(self.record_of.values())
+        return sum(sum(n for i, (n, g) in enumerate(zip(f.sizes, f.generations)) if g and i in live)
+                   for f in self.files.values())
 
     def buffer_bytes(self) -> int:
         """Host bytes of the frames' buffers."""

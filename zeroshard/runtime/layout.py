@@ -58,6 +58,7 @@ class ChunkLayout:
         self.grad_dtype = grad_dtype or dtype
         self.placement_of = placement_of
         self.shard_tier = shard_tier  # offload_params='disk': the parameter tier (disk_tier.py)
+        self.built_hooks: list[Callable[[Chunk], None]] = []  # called with each chunk as it is built
         self.real_params: Callable[[nn.Module], list] = direct_params  # see read_params_with
         self.chunks: list[Chunk] = []
         self.slot_of: dict[int, tuple[Chunk, Slot]] = {}  # id(param) -> its chunk and slot
@@ -89,10 +90,26 @@ class ChunkLayout:
                       transfer=self.transfer, grad_dtype=self.grad_dtype,
                       secondary=(self.comm.secondary_rank, self.comm.secondary_size),
                       split=self.comm.optimizer_split)
+            self._to_tier(c)
+            for hook in self.built_hooks:
+                hook(c)
             chunks.append(c)
             for s in slots:
                 self.slot_of[id(s.param)] = (c, s)
         self.chunks = chunks
+
+    def when_built(self, hook: Callable[[Chunk], None]) -> None:
+        """Call hook(chunk) as each chunk is built, before the next (the optimizer's disk tier takes
+        its master then)."""
+        self.built_hooks.append(hook)
+
+    def _to_tier(self, c: Chunk) -> None:
+        """offload_params='disk': a chunk just built puts its shard in the parameter tier, so host
+        memory never holds every shard while the model is packed."""
+        if self.shard_tier is not None and c.placement.params_on_disk:
+            self.shard_tier.extend(c)
+            c.keep_shard_in(self.shard_tier)
+            self.shard_tier.adopt(c)
 
     def repack(self, order: list[nn.Parameter]) -> None:
         """Collective: pack the parameters anew in `order`, values kept. The chunks are new objects:
@@ -128,15 +145,10 @@ class ChunkLayout:
             self.build(order, fill, broadcast=False, prepare=prepare)
 
     def adopt_shards(self) -> None:
-        """offload_params='disk': the chunks' shards go to the parameter tier now (once built and
-        filled; again after a re-pack, whose old chunks' records are dropped)."""
-        if self.shard_tier is None:
-            return
-        tiered = [c for c in self.chunks if c.placement.params_on_disk]
-        self.shard_tier.attach(tiered)
-        for c in tiered:
-            c.keep_shard_in(self.shard_tier)
-            self.shard_tier.adopt(c)
+        """offload_params='disk': the parameter tier holds these chunks' shards from now on (taken
+        as each was built: _to_tier); a re-pack's old chunks' records are forgotten."""
+        if self.shard_tier is not None:
+            self.shard_tier.attach([c for c in self.chunks if c.placement.params_on_disk])
 
     def read_params_with(self, real_params: Callable[[nn.Module], list]) -> None:
         """How to list a module's direct parameters (stage 3: past its placeholders)."""
