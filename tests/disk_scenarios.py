@@ -245,20 +245,22 @@ def disk_checkpoint_round_trips(rank, world):
     return out
 
 
-def _fault(rank, world, harm) -> dict:
-    """One step and a checkpoint, then `harm(engine)` on the last rank, then a second step: what
-    each rank raised, and whether the checkpoint still loads as it was saved."""
+def _fault(rank, world, harm, cfg=None, tiered=disk, again=lambda engine, x: engine.full_state_dict()) -> dict:
+    """One step and a checkpoint of a `tiered(cfg)` run, then `harm(engine)` on the last rank, then
+    a second step: what each rank raised, what `again(engine, tokens)` raises after it, and whether
+    the checkpoint still loads as it was saved (into a `cfg` run, without the tier)."""
     data = batches(2, world, 1)
     root = _shared_root(rank, world)
-    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, disk({"stage": 2, "chunk_size": 20000}))
+    cfg = cfg or {"stage": 2, "chunk_size": 20000}
+    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, tiered(cfg))
     train(engine, data[:1], rank)
     engine.save_checkpoint(root, tag="before")
     saved = engine.full_state_dict()
     if rank == world - 1:
         harm(engine)
     out = {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank)),
-           "again": error_on_every_rank(lambda: engine.full_state_dict())}
-    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "chunk_size": 20000})
+           "again": error_on_every_rank(lambda: again(engine, data[1, 0, rank]))}
+    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
     fresh.load_checkpoint(root)
     out["checkpoint_intact"] = max_diff(saved, fresh.full_state_dict())
     every_rank(None)
@@ -363,9 +365,10 @@ def disk_unusable_directory(rank, world):
 
 
 @scenario
-def disk_files_removed_with_the_engine(rank, world):
+def disk_files_removed_with_the_engine(rank, world, tiered=disk):
+    """The tier's files while a `tiered` run trains, and after the engine is dropped."""
     d = tier_dir()
-    e = zeroshard.initialize(tiny_gpt2(), make_adamw, disk({"stage": 3, "chunk_size": 20000}, d))
+    e = zeroshard.initialize(tiny_gpt2(), make_adamw, tiered({"stage": 3, "chunk_size": 20000}, d))
     train(e, batches(1, world, 1), rank)
     during = sorted(os.listdir(d))
     del e

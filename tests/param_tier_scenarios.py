@@ -12,8 +12,9 @@ import shutil
 import torch
 
 import zeroshard
-from disk_scenarios import CASES, _OsWith, _shared_root, _UsedBackwards, disk, tier_dir
-from distributed import WorldResults, error_on_every_rank, every_rank, record
+from disk_scenarios import _fault as disk_fault
+from disk_scenarios import CASES, _OsWith, _shared_root, _UsedBackwards, disk, disk_files_removed_with_the_engine
+from distributed import WorldResults, every_rank, record
 from models import batches, digest, make_adamw, make_sgd, max_diff, tiny_gpt2, train
 
 SCENARIOS = {}
@@ -163,27 +164,10 @@ def pdisk_load_state_dict_midway(rank, world):
 
 
 def _fault(rank, world, harm) -> dict:
-    """One step and a checkpoint, then `harm(engine)` on the last rank, then a second step: what
-    each rank raised, what a later forward raises, and whether the checkpoint loads as saved."""
-    data = batches(2, world, 1)
-    root = _shared_root(rank, world)
-    cfg = {"stage": 3, "chunk_size": 20000, "cache_chunks": 2}  # prefetched chunks evicted, re-gathered
-    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, params_disk(cfg))
-    train(engine, data[:1], rank)
-    engine.save_checkpoint(root, tag="before")
-    saved = engine.full_state_dict()
-    if rank == world - 1:
-        harm(engine)
-    out = {"raised": error_on_every_rank(lambda: train(engine, data[1:], rank))}
-    x = data[1, 0, rank]
-    out["again"] = error_on_every_rank(lambda: engine(input_ids=x, labels=x))
-    fresh = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
-    fresh.load_checkpoint(root)
-    out["checkpoint_intact"] = max_diff(saved, fresh.full_state_dict())
-    every_rank(None)
-    if rank == 0:
-        shutil.rmtree(root)
-    return out
+    """disk_scenarios._fault with the shards on disk, a two-chunk rCache (prefetched chunks evicted
+    and gathered again) and a later forward as what is tried after the failure."""
+    return disk_fault(rank, world, harm, {"stage": 3, "chunk_size": 20000, "cache_chunks": 2}, params_disk,
+                      again=lambda engine, x: engine(input_ids=x, labels=x))
 
 
 def _shard_file(engine) -> str:
@@ -221,14 +205,7 @@ def pdisk_fault_full(rank, world):
 
 @scenario
 def pdisk_files_removed_with_the_engine(rank, world):
-    d = tier_dir()
-    e = zeroshard.initialize(tiny_gpt2(), make_adamw, params_disk({"stage": 3, "chunk_size": 20000}, d))
-    train(e, batches(1, world, 1), rank)
-    during = sorted(os.listdir(d))
-    del e
-    import gc
-    gc.collect()
-    return {"during": during, "after": sorted(os.listdir(d))}
+    return disk_files_removed_with_the_engine(rank, world, params_disk)
 
 
 def run(rank, world, out_path):
