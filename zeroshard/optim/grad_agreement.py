@@ -7,7 +7,7 @@ import torch
 
 
 def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool,
-                norm_here: bool) -> tuple[list[list[bool]], bool, float]:
+                exact_norm: bool, norm_here: bool) -> tuple[list[list[bool]], bool, float]:
     """One small all-reduce over `comm` (none at world 1) gives every rank the same answers: per
     chunk and slot, whether that parameter got a gradient on any rank (`seen`: the slots that got
     one here; one that got none anywhere is not stepped: torch skips a parameter whose .grad is
@@ -15,7 +15,11 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     factor neither makes nor unmakes an inf or NaN, so the unscaled gradients tell); with
     `measure_norm`, the squared L2 norm of the gradients scaled by `inv`, summed over the ranks
     whose `norm_here` is set (stage 0: one rank, which holds the whole gradient; hybrid sharding:
-    the first shard group, whose shards the others repeat). Returns (present, overflow, sq)."""
+    the first shard group, whose shards the others repeat). fp32 gradients come already scaled
+    (scale_in_place), 16-bit ones are scaled here. `exact_norm` (the norm clips): the sum of
+    squares of the scaled gradient as it always was, which the bit-identity fingerprints pin;
+    otherwise (the norm is a figure in stats()) one pass without a temporary (see squared_norm).
+    Returns (present, overflow, sq)."""
     flags = [1.0 if i in got else 0.0 for c, got in zip(chunks, seen) for i in range(len(c.slots))]
     if comm.world == 1 and not finite_check and not measure_norm:  # nothing to agree on: no device sync
         return [[i in got for i in range(len(c.slots))] for c, got in zip(chunks, seen)], False, 0.0
@@ -26,10 +30,7 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
                 local[-2] = 1.0
                 break
     if measure_norm and not local[-2] and norm_here:
-        for g in grads:
-            if g is not None:
-                scaled = g * inv if g.dtype == torch.float32 else g.float().mul_(inv)
-                local[-1] += scaled.pow(2).sum().to(local.device)
+        local[-1] = squared_norm(grads, inv, exact=exact_norm).to(local.device)
     if comm.world > 1:
         comm.control_all_reduce(local)
     got = local.tolist()
@@ -38,6 +39,38 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
         present.append([v > 0 for v in got[k:k + len(c.slots)]])
         k += len(c.slots)
     return present, got[-2] > 0, got[-1]
+
+
+def scale_in_place(grads: list, inv: float) -> None:
+    """Multiply the fp32 gradients by `inv` in place, once, before anything reads them: what the
+    step, the norm and the finite check need (scaling by a finite factor neither makes nor unmakes
+    an inf or NaN). A 16-bit gradient is left as it is: its fp32 copy (or CPUAdamW, as it reads it)
+    is scaled. inv == 1 (world 1, no accumulation, no loss scale) skips the pass: x * 1 is x."""
+    if inv != 1.0:
+        for g in grads:
+            if g is not None and g.dtype == torch.float32:
+                g.mul_(inv)
+
+
+def squared_norm(grads: list, inv: float, *, exact: bool) -> torch.Tensor:
+    """The squared L2 norm of the scaled gradients (fp32 ones scaled already: scale_in_place).
+    exact: each fp32 gradient's squares summed (a temporary the size of the gradient; the result
+    clipping has always used). Otherwise torch.linalg.vector_norm, one pass and no temporary: the
+    same figure within fp32 rounding, several times faster on a CPU, where a fresh temporary of a
+    chunk's size costs more than the arithmetic (page faults)."""
+    sq = torch.zeros((), dtype=torch.float32)
+    for g in grads:
+        if g is None:
+            continue
+        if exact:
+            scaled = g if g.dtype == torch.float32 else g.float().mul_(inv)
+            part = scaled.pow(2).sum()
+        elif g.dtype == torch.float32:
+            part = torch.linalg.vector_norm(g).square()
+        else:
+            part = (torch.linalg.vector_norm(g, dtype=torch.float32) * inv).square()
+        sq = sq.to(part.device) + part
+    return sq
 
 
 def sum_across(shards, chunks, grads: list) -> list:

@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..errors import NonFiniteError, TierFileError
-from .grad_agreement import agree_grads, sum_across
+from .grad_agreement import agree_grads, scale_in_place, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
@@ -90,6 +90,7 @@ class ShardedOptimizer(DelayedUpdate):
         self._outcome = None  # (applied, overflow, grad norm) or the exception the thread raised
         self._delay_staging: dict[int, list] = {}  # id(chunk) -> [host 16-bit buffer, upload reading it]
         self._state_bytes_at_launch = None
+        self._state_bytes_key, self._state_bytes = None, None  # state_bytes' last count, and what it counted
         self.tier = tier
         self._tiered = TieredStates(tier, lambda: self.optimizer) if tier is not None else None
 
@@ -187,9 +188,10 @@ class ShardedOptimizer(DelayedUpdate):
         (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing)."""
+        scale_in_place(grads, inv)
         present, overflow, sq = agree_grads(
             comm, self.chunks, grads, seen, inv, finite_check=self.scaler is not None or self.nonfinite != "ignore",
-            measure_norm=self.measure_norm,
+            measure_norm=self.measure_norm, exact_norm=self.clip is not None,
             # Stage 0: one rank holds the whole gradient. Hybrid: the other shard groups repeat the
             # first's reduced shards, which would count once per group.
             norm_here=comm.rank == 0 if self.stage == 0 else self.shards.replica == 0 or self.shards.split)
@@ -213,7 +215,8 @@ class ShardedOptimizer(DelayedUpdate):
                     read_16bit[id(pc.param)] = (g[pc.lo - lo:pc.hi - lo].view(pc.param.shape), inv,
                                                 1.0 if coef is None else coef)
                 return
-            g = g.mul_(inv) if g.dtype == torch.float32 else g.float().mul_(inv)
+            if g.dtype != torch.float32:  # fp32 ones were scaled in place (scale_in_place)
+                g = g.float().mul_(inv)
             if coef is not None:
                 g.mul_(coef)
             for pc in stepped:
@@ -392,6 +395,16 @@ class ShardedOptimizer(DelayedUpdate):
         are on the host (the disk tier's are in neither: they are meta tensors between steps)."""
         if self.update is UpdateState.IN_FLIGHT:  # the thread may be creating state: as at launch
             return dict(self._state_bytes_at_launch)
+        # Counted again only when the state gains parameters or is replaced (stats() asks at every
+        # step, and a Python pass over every parameter's state is a visible part of a small step):
+        # torch's optimizers make a parameter's state at its first step and keep its tensors'
+        # sizes; load_state_dict makes a new state dict. The disk tier's swap in and out: always.
+        key = (id(self.optimizer.state), len(self.optimizer.state))
+        if self.tier is not None or self._state_bytes_key != key:
+            self._state_bytes_key, self._state_bytes = key, self._count_state_bytes()
+        return dict(self._state_bytes)
+
+    def _count_state_bytes(self) -> dict[bool, int]:
         host_of = {id(pc.param): c.placement.optimizer_on_host for c in self.chunks for pc in c.pieces}
         out = {False: 0, True: 0}
         for p, st in self.optimizer.state.items():

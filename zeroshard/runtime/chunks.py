@@ -121,6 +121,10 @@ class Chunk(ChunkMaster, ShardInTier):
         # none on any rank is not stepped (torch skips a parameter whose .grad is None).
         self.slots_with_grad: set[int] = set()
         self._slot_index = {id(s): i for i, s in enumerate(slots)}
+        # Stages 0-1: the step left grad_full as it was rather than zero it (a pass over the chunk
+        # on the step's path); each slot's first gradient then overwrites it, and the slots none
+        # reached are zeroed before the buffer is reduced or read (_settle_grad).
+        self._grad_stale = False
         # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
         # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
         self.host_grad = None
@@ -272,10 +276,24 @@ class Chunk(ChunkMaster, ShardInTier):
 
     # -- gradients -----------------------------------------------------------------------------
     def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        self.slots_with_grad.add(self._slot_index[id(slot)])
+        i = self._slot_index[id(slot)]
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        self.grad_full[slot.offset:slot.offset + slot.numel].add_(grad.reshape(-1))
+        dst = self.grad_full[slot.offset:slot.offset + slot.numel]
+        if self._grad_stale and i not in self.slots_with_grad:
+            torch.add(grad.reshape(-1), 0.0, out=dst)  # what zeros + grad gives, bit for bit (-0.0 too)
+        else:
+            dst.add_(grad.reshape(-1))
+        self.slots_with_grad.add(i)
+
+    def _settle_grad(self) -> None:
+        """Zero the slots of a stale grad_full (see __init__) that no gradient reached since the
+        step: it then holds what zeroing at the step and accumulating would have."""
+        if self._grad_stale:
+            for i, s in enumerate(self.slots):
+                if i not in self.slots_with_grad:
+                    self.grad_full[s.offset:s.offset + s.numel].zero_()
+            self._grad_stale = False
 
     def start_reduce(self, comm) -> None:
         """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
@@ -285,6 +303,7 @@ class Chunk(ChunkMaster, ShardInTier):
         self.grad_state = GradState.REDUCING
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
             self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        self._settle_grad()
         if self.stage == 0:
             self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
         else:
@@ -371,6 +390,7 @@ class Chunk(ChunkMaster, ShardInTier):
             return self.host_grad
         if self.stage >= 2:
             return self.grad_shard
+        self._settle_grad()
         lo, hi = self.reduced_range
         return self.grad_full[lo:hi]
 
@@ -418,7 +438,7 @@ class Chunk(ChunkMaster, ShardInTier):
         self.host_grad = None
         self.slots_with_grad.clear()
         if self.stage <= 1:
-            self.grad_full.zero_()
+            self._grad_stale = True
         else:
             self.grad_shard = None
             self.grad_full = None
