@@ -26,7 +26,10 @@ def _entry(rank, world, port, fn, args):
         faulthandler.dump_traceback_later(stacks, repeat=True, file=out)
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1 if world > 1 else 2)
+    # One thread a rank at every world: these models are too small for intra-op threads to pay,
+    # and a second thread waits on a core that, on a shared machine, another process holds (a
+    # world-1 scenario took 4-6 s with two threads there, 0.1 s with one).
+    torch.set_num_threads(1)
     try:
         fn(rank, world, *args)
     finally:
