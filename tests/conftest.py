@@ -5,12 +5,19 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from distributed import WorldResults  # noqa: E402  (found through the path above)
+
 
 def pytest_generate_tests(metafunc):
     """A test module names its scenario registry `RESULTS` (a distributed.WorldResults); its tests
     then take `res`, (results, world size) at each of the registry's worlds, or `res_several`, at
     its worlds above 1 (where a comparison with DDP has something to compare). Registering at
-    collection lets the first spawned world run every collected registry at once."""
+    collection lets the first spawned world run every collected registry at once: so every shared
+    registry a module holds is registered, not only RESULTS (one first asked for by its own test,
+    after the shared world ran, would spawn a world of its own: 8-12 s each)."""
+    for value in list(vars(metafunc.module).values()):
+        if isinstance(value, WorldResults):
+            value.register()  # a no-op for one that is not shared
     results = getattr(metafunc.module, "RESULTS", None)
     if results is None:
         return
