@@ -72,7 +72,7 @@ def build(stage, workload):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                            config=ds_config(stage, dist.get_world_size(), WORKLOADS[workload]["B"]))
-    return Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step), engine
+    return Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step), engine
 
 
 if __name__ == "__main__":

@@ -1,8 +1,14 @@
 """Step time of zeroshard stages 0-3 next to torch DDP, torch FSDP2 and DeepSpeed ZeRO 1-3, same model, same run, CPU.
 
     torchrun --standalone --nproc_per_node 2 bench/step_time.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
-        [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3]] [--cache-chunks N] [--chunk-size N]
+        [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3][,ddp+c,zs0+c,...,zs3+c]] [--cache-chunks N] [--chunk-size N]
         [--check-order | --no-check-order] [--phase-sync]
+
+Compiled systems (opt-in, inductor): "ddp+c" is torch.compile(DDP(model)), "zs0+c".."zs3+c" zeroshard
+with config compile=True (runtime/compiled.py); their compile time (the warmup steps beyond as many
+median steps) is printed apart, and their step time also as a ratio of ddp+c's. Every system calls the
+model with use_cache=False (training needs no KV cache; a cache's per-layer state would make dynamo
+compile each block anew).
 
 Workload (--model) "gpt2-tiny" (default): GPT-2 with 4 layers, n_embd 256, 4 heads, vocab 512, 128
 positions, 4 x 128 tokens per rank per step; "gpt2-small-cpu": 6 layers, n_embd 512, 8 heads, vocab
@@ -54,6 +60,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zeroshard  # noqa: E402
 
 ALL_SYSTEMS = ["ddp", "fsdp2", "zs0", "zs1", "zs2", "zs3"]
+# Compiled (inductor): DDP under torch.compile, zeroshard with config compile=True (runtime/compiled.py)
+COMPILED_SYSTEMS = ["ddp+c", "zs0+c", "zs1+c", "zs2+c", "zs3+c"]
 DEEPSPEED_SYSTEMS = ["ds1", "ds2", "ds3"]  # DeepSpeed ZeRO 1-3, where deepspeed is importable (bench/deepspeed_step.py)
 # name: GPT-2 shape, batch B x T tokens per rank, and the first three global-mean losses of one process
 # on the global batch (None: not fixed yet; each run's systems are compared with one another)
@@ -105,9 +113,13 @@ def build(name, args):
         from deepspeed_step import build as build_deepspeed  # imports deepspeed: only when asked for
         return build_deepspeed(int(name[2:]), args.model)
     model = make_model(args.model)
+    compiled = name.endswith("+c")
+    name = name.removesuffix("+c")
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
+        if compiled:
+            model = torch.compile(model)
     elif name == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -121,12 +133,13 @@ def build(name, args):
         def step():
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return Phases(lambda x: model(input_ids=x, labels=x).loss, lambda loss: loss.backward(), step), None
+        return Phases(lambda x: model(input_ids=x, labels=x, use_cache=False).loss, lambda loss: loss.backward(),
+                      step), None
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
         "stage": int(name[2:]), "cache_chunks": args.cache_chunks, "check_order": args.check_order,
-        "chunk_size": getattr(args, "chunk_size", None) or "auto"})
-    return (Phases(lambda x: engine(input_ids=x, labels=x).loss, engine.backward, engine.step,
+        "chunk_size": getattr(args, "chunk_size", None) or "auto", "compile": compiled})
+    return (Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step,
                    engine.apply_delayed_update), engine)
 
 
@@ -151,6 +164,7 @@ def interleaved_steps(systems: dict[str, Phases], data, args) -> dict[str, tuple
     names = list(systems)
     done = {n: 0 for n in names}  # steps run so far
     samples = {n: [] for n in names}  # per timed step: (total, forward, backward, step)
+    warm = {n: [] for n in names}  # the warmup steps' totals (a compiled system compiles in them)
     first_losses = {n: [] for n in names}
     block = max(1, args.block)
     rounds = -(-args.steps // block)
@@ -180,6 +194,8 @@ def interleaved_steps(systems: dict[str, Phases], data, args) -> dict[str, tuple
                 t_next = now()
                 if i >= args.warmup:
                     samples[name].append((t_next - t0, t1 - t0, t2 - t1, t_next - t2))
+                else:
+                    warm[name].append(t_next - t0)
                 if i < 3:
                     first_losses[name].append(loss.detach().float().clone())
                 done[name] += 1
@@ -193,16 +209,24 @@ def interleaved_steps(systems: dict[str, Phases], data, args) -> dict[str, tuple
         for l in first_losses[name]:
             dist.all_reduce(l)
             losses.append(l.item() / world)
+        all_warm = [None] * world
+        dist.all_gather_object(all_warm, warm[name])
         out[name] = ([s[0] for s in slowest], losses,
-                     {ph: [s[1 + k] for s in slowest] for k, ph in enumerate(PHASES)})
+                     {ph: [s[1 + k] for s in slowest] for k, ph in enumerate(PHASES)},
+                     [max(per_rank) for per_rank in zip(*all_warm)])
     return out
 
 
-def timing_row(name: str, step_times: list[float], losses: list[float], phase_times: dict) -> dict:
-    """The JSON fields of a row, from interleaved_steps' results for one system."""
-    return {"system": name, "median_s": statistics.median(step_times), "step_times_s": step_times,
+def timing_row(name: str, step_times: list[float], losses: list[float], phase_times: dict,
+               warmup_times: list[float] = ()) -> dict:
+    """The JSON fields of a row, from interleaved_steps' results for one system. compile_s: what the
+    warmup steps took beyond as many median steps (where a compiled system compiles: the time
+    compiling costs, reported apart from the step time)."""
+    median = statistics.median(step_times)
+    return {"system": name, "median_s": median, "step_times_s": step_times,
             "losses": losses, "phases_s": {k: statistics.median(v) for k, v in phase_times.items()},
-            "phase_times_s": phase_times}
+            "phase_times_s": phase_times, "warmup_times_s": list(warmup_times),
+            "compile_s": max(0.0, sum(warmup_times) - len(warmup_times) * median) if name.endswith("+c") else None}
 
 
 # The printed tables' phase columns (deepspeed_step.py's too).
@@ -232,7 +256,7 @@ def run(names, args, data) -> list[dict]:
     for name in names:
         row = timing_row(name, *timed[name])
         engine = built[name][1]
-        if name.startswith("zs"):
+        if engine is not None and name.startswith("zs"):
             s = engine.stats()
             state = [None] * world
             dist.all_gather_object(state, s["model_state_bytes"])
@@ -267,6 +291,12 @@ def print_table(rows, machine, args):
         flag = "  MISMATCH" if r.get("mismatch") else ""
         print(f"{r['system']:<7} {r['median_s']:>9.4f} {ratio:>7} {phase_cells(r)}  {losses:<29} {comm:>8} "
               f"{state:>15}{flag}")
+    compiled = [r for r in rows if r.get("compile_s") is not None]
+    if compiled:
+        print("\ncompile time (the warmup steps beyond as many median steps): "
+              + ", ".join(f"{r['system']} {r['compile_s']:.1f} s" for r in compiled))
+        if any(r["vs_ddp_compiled"] is not None for r in compiled):
+            print("compiled vs DDP + compile: " + ", ".join(f"{r['system']} {r['vs_ddp_compiled']:.2f}x" for r in compiled))
     if args.model == "gpt2-tiny":
         print("\npeers (vs DDP): DDP 0.178 s 1.00, FSDP2 0.401 s 2.25x, DeepSpeed ZeRO-1 1.30x, ZeRO-2 1.13x, "
               "ZeRO-3 1.49x")
@@ -295,15 +325,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     timing_arguments(ap)
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS + DEEPSPEED_SYSTEMS))
+                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
     ap.add_argument("--cache-chunks", type=int, default=None, help="stage 3 rCache size (default unlimited)")
     ap.add_argument("--chunk-size", type=int, default=None, help="zeroshard chunk capacity in elements (default auto)")
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS + DEEPSPEED_SYSTEMS))
+    unknown = sorted(set(systems) - set(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
     if unknown:
-        ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS + DEEPSPEED_SYSTEMS}")
+        ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS}")
     deepspeed = None
     if any(s in DEEPSPEED_SYSTEMS for s in systems):
         from deepspeed_step import import_deepspeed
@@ -322,8 +352,10 @@ def main():
 
     by_name = {r["system"]: r for r in rows}
     ddp, zs0 = by_name.get("ddp"), by_name.get("zs0")
+    ddp_c = by_name.get("ddp+c")
     for r in rows:
         r["vs_ddp"] = r["median_s"] / ddp["median_s"] if ddp else None
+        r["vs_ddp_compiled"] = r["median_s"] / ddp_c["median_s"] if ddp_c and r["system"].endswith("+c") else None
         r["mismatch"] = bool(zs0) and any(abs(a - b) > 1e-4 for a, b in zip(r["losses"], zs0["losses"]))
     machine = {"cores": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
                "world": world, "threads": torch.get_num_threads(),

@@ -105,7 +105,7 @@ def plain_loop(rank: int, world: int, stage: int) -> dict:
 
 
 def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = None,
-        gradient_clip_algorithm: str = "norm", **config):
+        gradient_clip_algorithm: str = "norm", compiled: bool = False, **config):
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -122,7 +122,8 @@ def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = Non
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          use_distributed_sampler=False)
     module = module_class()()
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    # A user's torch.compile of the module (aot_eager: eager's operations, compile_scenarios.py)
+    trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, loader, ckpt_path=ckpt_path)
     return trainer, module
 
 
@@ -175,6 +176,10 @@ def run(rank: int, world: int, out_path: str) -> None:
                     res["pretrained_keys"] = sorted(loaded) == sorted(full)
                     res["pretrained_max_diff"] = max_diff(loaded, full)
             results[name] = res
+        trainer, _ = fit(rank, world, 3, os.path.join(root, "stage3_compiled"), compiled=True)
+        full = {key(k): v for k, v in trainer.strategy.engine.full_state_dict().items()}
+        results["stage3_compiled"] = {"vs_plain": max_diff(full, plain_loop(rank, world, 3)[0]),
+                                      "compiled": [type(m).__name__ for m in trainer.strategy.engine.compiled or ()]}
     else:
         ref = reference()
         torch.save(ref.pop("state"), os.path.join(root, "reference.pt"))

@@ -42,6 +42,15 @@ def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
     assert runs[name]["vs_plain"] <= ADAMW_TOL
 
 
+def test_a_compiled_module_compiles_each_block_and_trains_the_same_model(runs):
+    """torch.compile(module) handed to fit: the strategy compiles each GPT2Block's forward with its
+    dynamo context (not the module's training_step, whose graph would hold the engine's hooks), and
+    the model trained is the plain loop's."""
+    got = runs["stage3_compiled"]
+    assert got["compiled"] == ["GPT2Block", "GPT2Block"], got
+    assert got["vs_plain"] <= ADAMW_TOL, got
+
+
 @pytest.mark.parametrize("name", RUNS)
 def test_lightning_reduces_once_per_optimizer_step_where_the_stage_allows(runs, name):
     """Issue 29, defect 4: Lightning's block_backward_sync is the engine's no_sync: the traffic of

@@ -55,6 +55,15 @@ def test_the_trainer_trains_what_single_process_pytorch_trains_on_the_global_bat
     assert any(n > 1.0 for n in ref["norms"])  # clipping did act
 
 
+def test_torch_compile_compiles_each_block_and_trains_the_same_model(runs):
+    """TrainingArguments(torch_compile=True, torch_compile_backend='aot_eager') becomes config
+    compile: at stage 3 each GPT2Block's forward is compiled, and the model trained is the plain
+    loop's (aot_eager runs eager's operations)."""
+    got = runs["stage3_compiled"]
+    assert got["compiled"] == ["GPT2Block", "GPT2Block"], got
+    assert got["state_vs_plain"] <= ADAMW_TOL, got
+
+
 def test_resuming_at_another_world_size_continues_identically(runs):
     logs = runs["resumed"]["logs"]
     assert [h["step"] for h in logs] == list(range(1, STEPS + 1))  # 1..5 from checkpoint-5's history
@@ -106,6 +115,13 @@ def test_a_config_that_contradicts_the_training_arguments_is_refused(tmp_path):
     cfg = engine_config({"stage": 3, "gradient_accumulation_steps": 4}, args)
     assert (cfg.stage, cfg.precision, cfg.clip_grad_norm, cfg.gradient_accumulation_steps) == (3, "bf16", 0.5, 1)
     assert cfg.collective_timeout_s == args.ddp_timeout
+    assert cfg.compile is False
+    compiling = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                               torch_compile=True, torch_compile_mode="reduce-overhead")
+    assert engine_config({"stage": 3}, compiling).compile == {"backend": "inductor", "mode": "reduce-overhead"}
+    assert engine_config({"compile": True}, compiling).compile == {"backend": "inductor", "mode": "reduce-overhead"}
+    with pytest.raises(ValueError, match="torch_compile"):
+        engine_config({"compile": False}, compiling)
     for bad, arg in [({"precision": "fp16"}, "bf16/fp16"), ({"clip_grad_norm": 1.0}, "max_grad_norm"),
                      ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps")]:
         with pytest.raises(ValueError, match=arg):

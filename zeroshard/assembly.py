@@ -35,7 +35,7 @@ from .runtime.partitioned_activations import PartitionedActivations
 from .runtime.precision import InputCasts, cast_buffers
 from .runtime.reducer import GradientReducer
 from .runtime.saved_tensors import SavedTensorHooks
-from .units import direct_params, leaf_modules
+from .units import direct_params, leaf_modules, with_blocks
 
 log = logging.getLogger("zeroshard")
 
@@ -67,8 +67,10 @@ def join_world(module: nn.Module, config: Config, device: torch.device | None) -
         resolve_group_size(config.hpz_group_size, comm.world, config.tensor_parallel, "hpz_group_size")
     shards = ShardGroups(comm, size, config.tensor_parallel, secondary_size=secondary,
                          split_optimizer=config.shard_optimizer_across_replicas)
-    return World(device, tp, comm, shards, tp.world_comm if tp else comm, Transfer(device),
-                 leaf_modules(module, config.leaf_modules))
+    leaves = leaf_modules(module, config.leaf_modules)
+    if config.compile and config.stage in (3, "auto"):  # stage 3 compiles each block, gathered whole
+        leaves = with_blocks(module, leaves)
+    return World(device, tp, comm, shards, tp.world_comm if tp else comm, Transfer(device), leaves)
 
 
 @dataclass(frozen=True)

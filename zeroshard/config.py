@@ -6,6 +6,7 @@ an unknown key or a bad value raises ConfigError (a ValueError) naming the key a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -111,6 +112,13 @@ class Config:
         default, [] none. A mixture of experts with one module per expert needs its blocks to be
         leaves at stage 3: each rank runs only the experts its tokens were routed to, and
         gathering per expert would make ranks gather different chunks (DivergedError).
+    compile: torch.compile the model's forward (runtime/compiled.py): True, or a dict of
+        torch.compile's keyword arguments ({'backend': 'aot_eager'}, {'mode': 'max-autotune'}).
+        Each layer block's forward is compiled (the modules of the model's ModuleList of
+        same-class layers; a model without one: its whole forward), its hooks outside the graph,
+        as FSDP2's users compile each block they shard; stage 3 gathers each block whole (a leaf
+        unit). Compiled once the chunk layout is final (after the first training forward, which
+        runs eagerly). False (default): eager.
     allow_nonfinite_weights: pretrained weights (initialize's `weights`, engine.load_weights) that
         hold NaN or inf are refused with WeightsError naming the tensors, unless this is True (a
         checkpoint that holds them on purpose).
@@ -167,6 +175,7 @@ class Config:
     tensor_parallel: int = 1
     partition_activations: bool = False
     leaf_modules: str | tuple[str, ...] = "auto"
+    compile: bool | dict = False
     allow_nonfinite_weights: bool = False
     shard_group_size: int | str | None = None
     hpz_group_size: int | str | None = None
@@ -295,6 +304,14 @@ class Config:
             object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))
         elif self.leaf_modules != "auto":
             bad("leaf_modules", "'auto', or a list of class names, qualified module names and 'auto'")
+        if isinstance(self.compile, dict):
+            try:
+                inspect.signature(torch.compile).bind(None, **self.compile)
+            except TypeError as e:
+                raise ConfigError(f"zeroshard config: compile={self.compile!r} is invalid: {e} (valid: True, False, "
+                                  "or a dict of torch.compile's keyword arguments)") from None
+        elif not isinstance(self.compile, bool):
+            bad("compile", "True, False, or a dict of torch.compile's keyword arguments")
         if not is_int(self.tensor_parallel) or self.tensor_parallel < 1:
             bad("tensor_parallel", "an integer >= 1 (ranks per tensor-parallel group)")
         if not isinstance(self.partition_activations, bool):

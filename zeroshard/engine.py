@@ -24,11 +24,13 @@ from .engine_io import EngineIO, TrainingPhase
 from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
-from .errors import invariant
+from .errors import ConfigError, invariant
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
+from .runtime.compiled import compile_model, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
+from .units import layer_blocks
 
 log = logging.getLogger("zeroshard")
 
@@ -46,6 +48,10 @@ class Engine(EngineIO):
         self.transfer, self.leaves = world.transfer, world.leaves
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
+        if config.compile and config.stage == 3 and not self.leaves:  # the root's graph would hold every hook
+            raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
+                              "ModuleList of same-class layers), and this model has none: name the modules to "
+                              "compile, each gathered whole, with leaf_modules")
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
         self.dtype, self.stage = config.dtype, config.stage
         self._set_counters()
@@ -72,6 +78,8 @@ class Engine(EngineIO):
             weakref.finalize(self, self.optim.tier.close)
         if self.layout.shard_tier is not None:
             weakref.finalize(self, self.layout.shard_tier.close)
+        self._compiler = torch_compiler(config.compile)
+        self.compiled = None  # the modules whose forward is compiled, once it is (runtime/compiled.py)
         self._follow_schedule()
 
     def _set_counters(self) -> None:
@@ -125,6 +133,11 @@ class Engine(EngineIO):
     def _forward(self, args, kwargs):
         recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
         self._micro_layout_final = self.layout.final
+        if self._micro_layout_final and self._compiler is not None and self.compiled is None:
+            self.compiled = compile_model(self.module, self.leaves if self.stage == 3 else layer_blocks(self.module),
+                                          self._compiler)
+        if self.compiled and self._arrivals is not None:  # a graph cannot wait per module (compiled.py)
+            self._arrivals.settle()
         if self.hooks is not None:
             self.hooks.close_open_forwards()
             self.cache.rewind()  # every forward (micro-batch or evaluation) replays the schedule
@@ -142,6 +155,17 @@ class Engine(EngineIO):
         return out
 
     forward = __call__
+
+    def compile_with(self, compiler) -> None:
+        """Compile with `compiler` (a callable taking a function and returning its compiled form,
+        such as the context of a module a user passed through torch.compile) instead of
+        torch.compile with config `compile`'s arguments; config `compile` must be on (at stage 3
+        it chose the blocks at initialize). Takes effect where config `compile` would."""
+        if self._compiler is None:
+            raise ConfigError("zeroshard: compile_with needs config compile on (it picks what is compiled)")
+        if self.compiled is not None:
+            raise RuntimeError("zeroshard: compile_with after the model was compiled")
+        self._compiler = compiler
 
     def thaw(self, names=frozenset()) -> None:
         """Make trainable the frozen chunks holding a parameter that now requires a gradient, or

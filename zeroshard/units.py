@@ -87,6 +87,22 @@ def leaf_modules(model: nn.Module, spec) -> list[nn.Module]:
     return sorted(_outermost(found), key=lambda m: order[id(m)])
 
 
+def layer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's layer blocks: the children of each outermost ModuleList holding two or more
+    modules of one class with parameters (a transformer's layers), in module order. Config
+    `compile` compiles each at stage 3 and makes it a leaf unit (runtime/compiled.py)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) >= 2
+             and len({type(c) for c in m}) == 1 and all(any(True for _ in c.parameters()) for c in m)]
+    return [block for lst in _outermost(lists) for block in lst]
+
+
+def with_blocks(model: nn.Module, leaves: list[nn.Module]) -> list[nn.Module]:
+    """`leaves` and the model's layer blocks, the outermost of them, in module order."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    found = list(leaves) + [b for b in layer_blocks(model) if all(b is not m for m in leaves)]
+    return sorted(_outermost(found), key=lambda m: order[id(m)])
+
+
 def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
     """Each unit, with the modules whose own parameters it gathers (itself, or a leaf's whole
     subtree), in module order. The root is a unit even without parameters: a parameter read in its

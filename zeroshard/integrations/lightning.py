@@ -22,6 +22,9 @@ What comes from Lightning, as it does without zeroshard:
   dynamic loss scaling for fp16; no autocast); Lightning's default "32-true" leaves the config's;
 - a config field that contradicts the Lightning Trainer (precision, clip_grad_norm against
   gradient_clip_val, gradient_accumulation_steps against accumulate_grad_batches) raises ValueError;
+- a module passed through `torch.compile` is compiled as config `compile` compiles (each layer
+  block's forward, with torch.compile's context of the call), not its training_step and forward
+  whole, whose graphs would hold the engine's hooks;
 - checkpoints (`ModelCheckpoint`, `trainer.save_checkpoint`, `fit(ckpt_path=...)`): each checkpoint
   path is a directory holding a zeroshard sharded checkpoint (fp32 masters, optimizer states, RNG)
   with Lightning's own state (loops, callbacks, LR schedulers, epoch, step) as its client state;
@@ -119,7 +122,14 @@ class ZeroShardStrategy(DDPStrategy):
             plugin = Precision()
             plugin.precision = self.precision_plugin.precision
             self.precision_plugin = plugin
+            compiled = getattr(self.lightning_module, "_compiler_ctx", None)
+            if compiled is not None:  # torch.compile(module): compiled the engine's way (module docstring)
+                from lightning.pytorch.utilities.compile import to_uncompiled
+                to_uncompiled(self.lightning_module)
+                cfg = dataclasses.replace(cfg, compile=cfg.compile or True)
             self.engine = zeroshard.initialize(self.lightning_module, optimizer, cfg, device=self.root_device)
+            if compiled is not None:
+                self.engine.compile_with(compiled["dynamo_ctx"])
             self.optimizers = [EngineOptimizer(self.engine)] if optimizer is not None else []
 
     def model_to_device(self) -> None:

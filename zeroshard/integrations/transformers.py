@@ -20,6 +20,9 @@ What comes from TrainingArguments, as the Trainer does it without zeroshard:
 - `bf16` / `fp16` become config `precision` (zeroshard's mixed precision: fp32 masters, 16-bit
   compute copies, dynamic loss scaling for fp16; no autocast); `ddp_timeout` becomes
   `collective_timeout_s` unless the config sets it;
+- `torch_compile` (with `torch_compile_backend`, `torch_compile_mode`) becomes config `compile`
+  (runtime/compiled.py: the whole model at stages 0-2, each layer block at stage 3), not a
+  torch.compile of the engine, whose hooks a graph cannot hold;
 - checkpoints (`save_steps`, `save_strategy`): each `checkpoint-N` folder holds the model as
   `save_pretrained` writes it (from_pretrained opens it), and `zeroshard/`, a zeroshard sharded
   checkpoint (fp32 masters, optimizer states, RNG); `resume_from_checkpoint` loads that, at any
@@ -54,9 +57,14 @@ def engine_config(config: Config | dict | str | None, args: transformers.Trainin
                "gradient_accumulation_steps": 1}
     if args.bf16 or args.fp16:  # otherwise the config's precision stands
         decided["precision"] = "bf16" if args.bf16 else "fp16"
+    if args.torch_compile:  # otherwise the config's compile stands
+        decided["compile"] = {k: v for k, v in (("backend", args.torch_compile_backend),
+                                                ("mode", args.torch_compile_mode)) if v is not None}
     cfg = reconcile(config, decided, {"precision": "bf16/fp16", "clip_grad_norm": "max_grad_norm",
-                                   "gradient_accumulation_steps": "gradient_accumulation_steps"}, "TrainingArguments",
-                 agrees=lambda key, value: key == "gradient_accumulation_steps" and value == args.gradient_accumulation_steps)
+                                   "gradient_accumulation_steps": "gradient_accumulation_steps",
+                                   "compile": "torch_compile"}, "TrainingArguments",
+                 agrees=lambda key, value: key == "gradient_accumulation_steps" and value == args.gradient_accumulation_steps
+                 or key == "compile" and value is not False)
     if not (isinstance(config, dict) and "collective_timeout_s" in config) and \
             cfg.collective_timeout_s == Config().collective_timeout_s:  # unless the config sets it
         cfg = dataclasses.replace(cfg, collective_timeout_s=float(args.ddp_timeout))

@@ -1,0 +1,110 @@
+"""Scenarios of tests/test_compile.py: config `compile` (runtime/compiled.py) trains what plain
+PyTorch trains on the global batch at every stage, worlds 1-3, with no graph break or recompile of
+zeroshard's making.
+
+The backend is "aot_eager": dynamo captures the graphs and AOTAutograd splits forward from backward
+(where the saved-tensor hooks and the parameters' gradient hooks meet the compiled code) and runs
+the same aten operations eagerly, so the results are eager's to the bit; inductor's fused kernels
+round differently, which the one inductor scenario bounds (world 1; CI's cores pay ~20 s to build
+its kernels, once).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from distributed import WorldResults, record
+from models import inputs, make_adamw, make_sgd, parity
+
+SCENARIOS = {}
+EAGERLIKE = {"backend": "aot_eager"}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, h):
+        return h + self.down(torch.nn.functional.gelu(self.up(self.norm(h))))
+
+
+class Layers(nn.Module):
+    """An embedding, three blocks in a ModuleList (what stage 3 compiles one by one), a head."""
+
+    def __init__(self, width: int = 16, depth: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x, checkpoint: bool = False):
+        h = self.embed(x)
+        for block in self.layers:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False) if checkpoint else block(h)
+        return self.head(h)
+
+
+class Flat(nn.Module):
+    """No ModuleList of layers: compiled whole at stages 0-2, refused at stage 3."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, x, checkpoint: bool = False):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def dynamo_counts() -> dict:
+    """Graph breaks and graphs dynamo compiled since the last reset (torch._dynamo.utils.counters)."""
+    from torch._dynamo.utils import counters
+    return {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "recompile_limit_hits": sum(n for k, n in counters["frames"].items() if "limit" in str(k))}
+
+
+def fresh_dynamo() -> None:
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compiled_parity(rank, world, stage, make_opt=make_sgd, extra=None, checkpoint=False, options=EAGERLIKE,
+                    build=Layers):
+    """The compiled engine against plain eager PyTorch on the global batch (models.parity), with
+    dynamo's counts over the compiled run."""
+    cfg = {"stage": stage, "chunk_size": 300, **(extra or {})}
+    data = inputs(4, world, 4, 8)
+    loss = lambda m, x, *_: m(x, checkpoint=checkpoint).pow(2).mean()  # noqa: E731
+    fresh_dynamo()
+    engine, diff = parity(rank, world, build, loss, data, make_opt, {**cfg, "compile": options})
+    return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled]}
+
+
+for _stage in range(4):
+    SCENARIOS[f"sgd_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage)
+SCENARIOS["adamw_offload_stage3"] = functools.partial(
+    compiled_parity, stage=3, make_opt=make_adamw,
+    extra={"offload_optimizer": True, "offload_params": True, "cache_chunks": 1})
+SCENARIOS["adamw_offload_stage2"] = functools.partial(
+    compiled_parity, stage=2, make_opt=make_adamw, extra={"offload_optimizer": True})
+SCENARIOS["checkpointing_stage3"] = functools.partial(compiled_parity, stage=3, checkpoint=True)
+SCENARIOS["checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True)
+SCENARIOS["no_blocks_stage2"] = functools.partial(compiled_parity, stage=2, build=Flat)
+SCENARIOS["no_blocks_stage3"] = functools.partial(compiled_parity, stage=3, build=Flat)  # ConfigError
+
+
+def run(rank, world, out_path):
+    record(rank, out_path, [(name, functools.partial(fn, rank, world)) for name, fn in SCENARIOS.items()])
+
+
+def run_inductor(rank, world, out_path):
+    record(rank, out_path, {"stage3": functools.partial(compiled_parity, rank, world, 3, options=True)})
+
+
+COMPILE = WorldResults(run, "compile")
+INDUCTOR = WorldResults(run_inductor, "compile_inductor", worlds=(1,))  # one build of the kernels (docstring)

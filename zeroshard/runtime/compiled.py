@@ -1,0 +1,44 @@
+"""torch.compile under zeroshard (config `compile`): which code a graph holds, and why.
+
+Each layer block's forward is compiled (units.layer_blocks: the modules of the model's ModuleList of
+same-class layers; at stage 3 also any leaf_modules), at every stage; a model without such blocks
+has its whole forward compiled. The forward function itself, not the module's call: a module's
+hooks stay outside its graph, as FSDP2's users compile each block they shard.
+- Stage 3 makes each block a leaf unit at initialize: its chunks are gathered and released by its
+  own hooks, eagerly, around its compiled forward, and no hook runs inside it, so the graph holds
+  the model's code alone. The graph's saved tensors pass through the saved-tensor hooks, so a
+  weight saved for backward is still kept by reference to its chunk (saved_tensors.py) and the
+  block's chunks are released between its forward and its backward.
+- Stages 1-2: the arrival hooks (arrival.py) would wait inside a block's graph for its chunks, which
+  a graph cannot do without a break. A compiled model's forward therefore first waits for every
+  chunk still arriving: the updated chunks' all-gathers no longer overlap the forward.
+- A gradient reaches its chunk through autograd's hooks on the parameter, outside any graph.
+- Code outside the blocks (embeddings, the head, the loss) runs eagerly, and a front end may patch
+  the root module's forward (Lightning redirects it to training_step) without undoing a compile.
+Compiling waits for the first training forward to end: it records the order of first use and
+re-packs the chunks (the recording's hooks would otherwise be traced into the graphs).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+
+def torch_compiler(setting) -> Callable | None:
+    """The compiler config `compile` names: torch.compile with its keyword arguments (True: none),
+    or None when off."""
+    if setting is False:
+        return None
+    return functools.partial(torch.compile, **({} if setting is True else dict(setting)))
+
+
+def compile_model(module: nn.Module, blocks: list[nn.Module], compiler: Callable) -> list[nn.Module]:
+    """Replace each block's forward (the module's own when `blocks` is empty) by
+    `compiler(forward)`. Returns the modules whose forward is compiled."""
+    targets = list(blocks) or [module]
+    for m in targets:
+        m.forward = compiler(m.forward)
+    return targets
