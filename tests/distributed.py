@@ -1,10 +1,19 @@
 """Run a function on `world` local processes joined in a gloo process group (as torchrun would)."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
 import torch.multiprocessing as mp
+
+# What nearly every spawned rank imports: 5-8 s of CPU a rank (torch, transformers' model classes),
+# paid by each of the suite's ~70 ranks on 2 cores. On a CPU-only machine ranks are forked from
+# multiprocessing's forkserver, one process that imported these once and has run nothing else, so
+# each rank is still a fresh process (no process group, no thread pool, no state of another test).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "safetensors.torch", "zeroshard",
+           "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.opt.modeling_opt",
+           "transformers.models.llama.modeling_llama"]
 
 
 def free_port() -> int:
@@ -13,7 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args):
+@functools.cache
+def start_method() -> str:
+    """forkserver with PRELOAD imported, or spawn where there is no forkserver or there is CUDA (a
+    process that touched nothing of CUDA before its rank starts, as before)."""
+    import torch
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
+        return "spawn"
+    import multiprocessing
+    multiprocessing.set_forkserver_preload(PRELOAD)  # the server skips one it cannot import
+    return "forkserver"
+
+
+def _entry(rank, world, port, fn, args, environ=None):
+    if environ is not None:  # the forkserver's environment is the one it started with: take the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     # cuBLAS is deterministic only with a fixed workspace, set before its first use (bit-for-bit
@@ -76,12 +100,14 @@ def error_on_every_rank(fn) -> list[str]:
 
 
 def spawn(world: int, fn, *args) -> None:
-    """Runs fn(rank, world, *args) in `world` processes; raises if any of them fails. The free port
+    """Runs fn(rank, world, *args) in `world` processes (started as start_method() says, each with
+    this process's environment as it is now); raises if any of them fails. The free port
     found for the rendezvous can be taken by another process before rank 0 listens on it: then
     (EADDRINUSE, nothing of `fn` ran) it starts again on another port, up to three times."""
     for attempt in range(3):
         try:
-            mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+            mp.start_processes(_entry, args=(world, free_port(), fn, args, dict(os.environ)), nprocs=world,
+                               join=True, start_method=start_method())
             return
         except mp.ProcessRaisedException as e:
             if "EADDRINUSE" not in str(e) or attempt == 2:
