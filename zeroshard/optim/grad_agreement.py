@@ -7,7 +7,8 @@ import torch
 
 
 def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool,
-                exact_norm: bool, norm_here: bool) -> tuple[list[list[bool]], bool, float]:
+                exact_norm: bool, norm_here: bool, share: tuple[int, int] | None = None
+                ) -> tuple[list[list[bool]], bool, float]:
     """One small all-reduce over `comm` (none at world 1) gives every rank the same answers: per
     chunk and slot, whether that parameter got a gradient on any rank (`seen`: the slots that got
     one here; one that got none anywhere is not stepped: torch skips a parameter whose .grad is
@@ -18,7 +19,8 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     the first shard group, whose shards the others repeat). fp32 gradients come already scaled
     (scale_in_place), 16-bit ones are scaled here. `exact_norm` (the norm clips): the sum of
     squares of the scaled gradient as it always was, which the bit-identity fingerprints pin;
-    otherwise (the norm is a figure in stats()) one pass without a temporary (see squared_norm).
+    otherwise (the norm is a figure in stats()) one pass without a temporary (see squared_norm),
+    over this rank's `share` (rank, ranks) of each gradient where every rank holds all of it.
     Returns (present, overflow, sq)."""
     flags = [1.0 if i in got else 0.0 for c, got in zip(chunks, seen) for i in range(len(c.slots))]
     if comm.world == 1 and not finite_check and not measure_norm:  # nothing to agree on: no device sync
@@ -30,6 +32,9 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
                 local[-2] = 1.0
                 break
     if measure_norm and not local[-2] and norm_here:
+        if share is not None:
+            r, n = share
+            grads = [None if g is None else g[g.numel() * r // n:g.numel() * (r + 1) // n] for g in grads]
         local[-1] = squared_norm(grads, inv, exact=exact_norm).to(local.device)
     if comm.world > 1:
         comm.control_all_reduce(local)

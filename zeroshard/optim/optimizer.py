@@ -189,12 +189,19 @@ class ShardedOptimizer(DelayedUpdate):
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing)."""
         scale_in_place(grads, inv)
+        exact = self.clip is not None
+        # Stage 0: every rank holds the whole gradient: one rank measures it for clipping (the
+        # exact norm), each rank its share otherwise (no rank then waits for one rank's pass).
+        # Hybrid: the other shard groups repeat the first's reduced shards, which would count
+        # once per group.
+        share = (comm.rank, comm.world) if self.stage == 0 and not exact else None
+        if self.stage == 0:
+            norm_here = comm.rank == 0 or share is not None
+        else:
+            norm_here = self.shards.replica == 0 or self.shards.split
         present, overflow, sq = agree_grads(
             comm, self.chunks, grads, seen, inv, finite_check=self.scaler is not None or self.nonfinite != "ignore",
-            measure_norm=self.measure_norm, exact_norm=self.clip is not None,
-            # Stage 0: one rank holds the whole gradient. Hybrid: the other shard groups repeat the
-            # first's reduced shards, which would count once per group.
-            norm_here=comm.rank == 0 if self.stage == 0 else self.shards.replica == 0 or self.shards.split)
+            measure_norm=self.measure_norm, exact_norm=exact, share=share, norm_here=norm_here)
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
