@@ -16,9 +16,10 @@ import enum
 import torch
 
 from ..errors import TierFileError, invariant
-from .offload import Pending, Placement, Transfer, fold_host_grad
-from ..distributed.ordering import GATHER, REDUCE
+from .offload import Placement, Transfer
+from ..distributed.ordering import GATHER
 from ..distributed.tensor_parallel import set_local
+from .chunk_grads import ChunkGrads, GradState
 from .chunk_master import ChunkMaster
 from .chunk_shard_tier import ShardInTier
 from .packing import Fill, MasterPiece, Slot, fill_chunk, padded_numel
@@ -30,15 +31,7 @@ class ChunkState(enum.Enum):
     GATHERED = "gathered"
 
 
-class GradState(enum.Enum):
-    """A trainable chunk's gradient within one backward pass."""
-
-    ACCUMULATING = "accumulating"  # gradients arrive into grad_full; no reduction of this pass started
-    REDUCING = "reducing"  # a reduction of this pass's gradient is in flight (reduce_work)
-    REDUCED = "reduced"  # ... and it finished during backward
-
-
-class Chunk(ChunkMaster, ShardInTier):
+class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
     """One chunk: its storage for a given stage, and the moves between its states.
 
     Holds no policy: when to gather, reduce or release is decided by the cache and the engine.
@@ -121,10 +114,13 @@ class Chunk(ChunkMaster, ShardInTier):
         # none on any rank is not stepped (torch skips a parameter whose .grad is None).
         self.slots_with_grad: set[int] = set()
         self._slot_index = {id(s): i for i, s in enumerate(slots)}
-        # Stages 0-1: the step left grad_full as it was rather than zero it (a pass over the chunk
-        # on the step's path); each slot's first gradient then overwrites it, and the slots none
-        # reached are zeroed before the buffer is reduced or read (_settle_grad).
-        self._grad_stale = False
+        # Slots of grad_full holding no value of this step yet (None: all do): the step leaves a
+        # stage 0-1 buffer as it was, and stages 2-3 take a new one per backward pass unzeroed
+        # (zeroing is a pass over the chunk: on the step's path, or before each pass's first
+        # gradient). A slot's first gradient overwrites it; the slots none reached are zeroed
+        # before the buffer is reduced or read (_settle_grad). Gaps between slots stay zero.
+        self._unwritten: set[int] | None = None
+        self._gaps: list[tuple[int, int]] | None = None  # ranges of grad_full outside every slot
         # Optimizer on the host: the reduced gradient of the owned range, accumulated there over
         # micro-batches (compute dtype), and the copy on its way down (waited for before the next).
         self.host_grad = None
@@ -273,174 +269,3 @@ class Chunk(ChunkMaster, ShardInTier):
         """hpZ: the parameters change (a step, a load): the next gather reads the primary shards."""
         if self.secondary is not None:
             self.secondary.forget()
-
-    # -- gradients -----------------------------------------------------------------------------
-    def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
-        i = self._slot_index[id(slot)]
-        if self.grad_full is None:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        dst = self.grad_full[slot.offset:slot.offset + slot.numel]
-        if self._grad_stale and i not in self.slots_with_grad:
-            torch.add(grad.reshape(-1), 0.0, out=dst)  # what zeros + grad gives, bit for bit (-0.0 too)
-        else:
-            dst.add_(grad.reshape(-1))
-        self.slots_with_grad.add(i)
-
-    def _settle_grad(self) -> None:
-        """Zero the slots of a stale grad_full (see __init__) that no gradient reached since the
-        step: it then holds what zeroing at the step and accumulating would have."""
-        if self._grad_stale:
-            for i, s in enumerate(self.slots):
-                if i not in self.slots_with_grad:
-                    self.grad_full[s.offset:s.offset + s.numel].zero_()
-            self._grad_stale = False
-
-    def start_reduce(self, comm) -> None:
-        """Start reducing this backward pass's gradient: an all-reduce at stage 0, an in-place
-        reduce-scatter into this rank's shard of the full gradient at stages 1-3."""
-        invariant(self.grad_state is not GradState.REDUCING,
-                  lambda: f"chunk {self.index}: start_reduce in {self.grad_state}")
-        self.grad_state = GradState.REDUCING
-        if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
-        self._settle_grad()
-        if self.stage == 0:
-            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
-        else:
-            self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
-
-    def stash_reduced(self) -> None:
-        """A gradient arrived after this chunk's reduction started (reentrant checkpointing that
-        re-runs a parameter in two regions): set the reduction aside and collect late gradients in a
-        new buffer, reduced when backward ends."""
-        invariant(self.grad_state is GradState.REDUCING, lambda: f"chunk {self.index}: stash_reduced in {self.grad_state}")
-        self.stash = (self.grad_full, self.reduce_work)
-        self.grad_full, self.reduce_work = None, None
-        self.grad_state = GradState.ACCUMULATING
-
-    def finish_reduce(self) -> None:
-        """Wait for this backward pass's reductions and fold them into the kept gradient."""
-        if self.stash is not None and self.grad_state is not GradState.REDUCING:
-            # Late gradients have started a new buffer that is not reduced yet: the stashed
-            # reduction is folded in with that one's, later in this backward.
-            buf, work = self.stash
-            if work is not None:
-                work.wait()
-            self.stash = (buf, None)
-            return
-        stashed = None
-        if self.stash is not None:
-            stashed, work = self.stash
-            self.stash = None
-            if work is not None:
-                work.wait()
-        if self.reduce_work is not None:
-            self.reduce_work.wait()
-            self.reduce_work = None
-        if self.grad_state is not GradState.REDUCING:  # nothing reduced (stages 0-1 between boundaries)
-            return
-        self.grad_state = GradState.REDUCED
-        lo, hi = self.reduced_range
-        if self.stage <= 1:
-            if stashed is not None:
-                stashed[lo:hi].add_(self.grad_full[lo:hi])
-                self.grad_full = stashed
-            if self.placement.optimizer_on_host:  # stages 0-1 reduce once per step
-                self._send_grad(self.grad_full[lo:hi])
-            return
-        # Stages 2-3 keep only the reduced slice, accumulated over micro-batches.
-        reduced = self.grad_full[lo:hi]
-        if stashed is not None:
-            reduced = reduced + stashed[lo:hi]
-        if self.placement.optimizer_on_host:
-            self._send_grad(reduced)
-        elif self.grad_shard is None:
-            self.grad_shard = reduced.clone()
-        else:
-            self.grad_shard.add_(reduced)
-        self.grad_full = None
-
-    def _send_grad(self, reduced: torch.Tensor) -> None:
-        """Start moving a reduced gradient to the host; the previous one is folded in first, so at
-        most one copy per chunk is in flight."""
-        self._fold_host_grad()
-        self.grad_in_flight = self.transfer.to_host(reduced)
-
-    def _fold_host_grad(self) -> None:
-        self.host_grad = fold_host_grad(self.host_grad, self.grad_in_flight)
-        self.grad_in_flight = None
-
-    def take_host_grad(self) -> tuple[torch.Tensor | None, Pending | None]:
-        """With the optimizer on the host: hand over this step's reduced gradient as (what has
-        arrived on the host, the copy still in flight), leaving the chunk without one. The delayed
-        update (optimizer.py) folds them with `fold_host_grad` in its own thread while the next
-        backward fills the chunk anew."""
-        out = (self.host_grad, self.grad_in_flight)
-        if self.grad_in_flight is not None and self.stage <= 1:
-            self.grad_in_flight.fence()  # its source, grad_full, is zeroed for the next step
-        self.host_grad = self.grad_in_flight = None
-        return out
-
-    def reduced_grad(self) -> torch.Tensor | None:
-        """The reduced gradient of the reduced range (compute dtype; the owned range but where the
-        optimizer is split across replicas), or None before any backward. With the optimizer on
-        the host it is a host tensor."""
-        if self.placement.optimizer_on_host:
-            self._fold_host_grad()
-            return self.host_grad
-        if self.stage >= 2:
-            return self.grad_shard
-        self._settle_grad()
-        lo, hi = self.reduced_range
-        return self.grad_full[lo:hi]
-
-    def abandon_reduce(self) -> None:
-        """A backward pass failed: drop its reductions in flight and what they were reducing (stages
-        2-3: the pass's full gradient; stages 0-1 keep theirs, accumulated as torch's .grad is)."""
-        self.reduce_work = None
-        self.stash = None
-        if self.stage >= 2:
-            self.grad_full = None
-        self.grads_seen = 0
-        self.grad_state = GradState.ACCUMULATING
-
-    def end_backward(self) -> None:
-        """The backward pass is over (its reductions finished): the next one starts afresh. At stages
-        0-1 a reduced buffer stays REDUCED until the step clears it or another backward pass of the
-        same step reopens it (`reopen`)."""
-        invariant(self.grad_state is not GradState.REDUCING,
-                  lambda: f"chunk {self.index}: end_backward in {self.grad_state}")
-        self.grads_seen = 0
-        if self.stage >= 2 or self.grad_state is not GradState.REDUCED:
-            self.grad_state = GradState.ACCUMULATING
-
-    def reopen(self) -> None:
-        """Stages 0-1, another backward pass before the step (several backward calls per step): the
-        buffer holds this step's reduced sum, which the next reduction would count again on every
-        rank. So each rank keeps it only in its own slot (where stage 1 keeps it and no other rank
-        does; with the optimizer on the host, where the sum went already, nowhere): the next
-        reduction then adds every slot's earlier sum exactly once."""
-        invariant(self.stage <= 1 and self.grad_state is GradState.REDUCED,
-                  lambda: f"chunk {self.index}: reopen at stage {self.stage} in {self.grad_state}")
-        if self.placement.optimizer_on_host:
-            self._fold_host_grad()  # the copy to the host reads the buffer
-            self.grad_full.zero_()
-        else:
-            lo, hi = self.shard_range
-            self.grad_full[:lo].zero_()
-            self.grad_full[hi:].zero_()
-        self.grad_state = GradState.ACCUMULATING
-
-    def zero_grad(self) -> None:
-        if self.grad_in_flight is not None:  # left by a failed step: dropped, once its source is read
-            self.grad_in_flight.fence()
-            self.grad_in_flight = None
-        self.host_grad = None
-        self.slots_with_grad.clear()
-        if self.stage <= 1:
-            self._grad_stale = True
-        else:
-            self.grad_shard = None
-            self.grad_full = None
-        self.grads_seen = 0
-        self.grad_state = GradState.ACCUMULATING
