@@ -4,6 +4,7 @@
         [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3][,ddp+c,zs0+c,...,zs3+c]] [--cache-chunks N] [--chunk-size N]
         [--check-order | --no-check-order] [--phase-sync]
 
+"zs3@N" is stage 3 with an N-chunk rCache beside the others (whatever --cache-chunks gives them).
 Compiled systems (opt-in, inductor): "ddp+c" is torch.compile(DDP(model)), "zs0+c".."zs3+c" zeroshard
 with config compile=True (runtime/compiled.py); their compile time (the warmup steps beyond as many
 median steps) is printed apart, and their step time also as a ratio of ddp+c's. Every system calls the
@@ -47,6 +48,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -115,6 +117,7 @@ def build(name, args):
     model = make_model(args.model)
     compiled = name.endswith("+c")
     name = name.removesuffix("+c")
+    name, _, cache = name.partition("@")  # zs3@2: stage 3 with a 2-chunk rCache, whatever --cache-chunks says
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
@@ -137,7 +140,8 @@ def build(name, args):
                       step), None
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
-        "stage": int(name[2:]), "cache_chunks": args.cache_chunks, "check_order": args.check_order,
+        "stage": int(name[2:]), "cache_chunks": int(cache) if cache else args.cache_chunks,
+        "check_order": args.check_order,
         "chunk_size": getattr(args, "chunk_size", None) or "auto", "compile": compiled})
     return (Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step,
                    engine.apply_delayed_update), engine)
@@ -331,7 +335,8 @@ def main():
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
+    unknown = sorted(set(s for s in systems if not re.fullmatch(r"zs3@[1-9][0-9]*(\+c)?", s))
+                     - set(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS}")
     deepspeed = None
