@@ -4,6 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("ZEROSHARD_RANK_THREADS", "1")  # spawned worlds of one: distributed._entry says why
 
 from distributed import WorldResults  # noqa: E402  (found through the path above)
 

@@ -50,10 +50,12 @@ def _entry(rank, world, port, fn, args, environ=None):
         faulthandler.dump_traceback_later(stacks, repeat=True, file=out)
     import torch
     import torch.distributed as dist
-    # One thread a rank at every world: these models are too small for intra-op threads to pay,
-    # and a second thread waits on a core that, on a shared machine, another process holds (a
-    # world-1 scenario took 4-6 s with two threads there, 0.1 s with one).
-    torch.set_num_threads(1)
+    # A world of one runs ZEROSHARD_RANK_THREADS intra-op threads (2 by default: what
+    # bench/bit_identity.py's fingerprints were taken with; the thread count changes the bits).
+    # The tests set 1 (conftest.py): these models are too small for a second thread to pay, and it
+    # waits on a core that, on a shared machine, another process holds (a world-1 scenario took
+    # 4-6 s with two threads there, 0.1 s with one).
+    torch.set_num_threads(1 if world > 1 else int(os.environ.get("ZEROSHARD_RANK_THREADS", 2)))
     try:
         fn(rank, world, *args)
     finally:
