@@ -7,8 +7,9 @@ collective_timeout_s (STOP_TIMEOUT_S here: not before 3/4 of it, within it plus 
 group the user made with a longer timeout than the config's is warned about.
 
 Two processes started here (not through torch's spawn, which would wait on the stopped one; as
-distributed.spawn starts its ranks, from the forkserver where there is one), a small GPT-2 at stage 3. Rank 1 trains one step, then signals itself at the chosen point of the
-second and writes the time it did; rank 0 writes what it raised and when, and exits non-zero.
+distributed.spawn starts its ranks, from the forkserver where there is one), a small GPT-2 at stage
+3. Rank 1 trains one step, then signals itself at the chosen point of the second and writes the
+time it did; rank 0 writes what it raised and when, and exits non-zero.
 """
 from __future__ import annotations
 
