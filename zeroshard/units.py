@@ -83,8 +83,12 @@ def leaf_modules(model: nn.Module, spec) -> list[nn.Module]:
         raise ConfigError(f"zeroshard config: leaf_modules names {unmatched}, which match no module of the model "
                          "(give a class name such as 'SwitchTransformersSparseMLP' or a qualified module name "
                          "such as 'encoder.block.1.layer.1.mlp')")
+    return _outermost_in_order(model, found)
+
+
+def _outermost_in_order(model: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
     order = {id(m): i for i, m in enumerate(model.modules())}
-    return sorted(_outermost(found), key=lambda m: order[id(m)])
+    return sorted(_outermost(modules), key=lambda m: order[id(m)])
 
 
 def layer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -98,9 +102,7 @@ def layer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def with_blocks(model: nn.Module, leaves: list[nn.Module]) -> list[nn.Module]:
     """`leaves` and the model's layer blocks, the outermost of them, in module order."""
-    order = {id(m): i for i, m in enumerate(model.modules())}
-    found = list(leaves) + [b for b in layer_blocks(model) if all(b is not m for m in leaves)]
-    return sorted(_outermost(found), key=lambda m: order[id(m)])
+    return _outermost_in_order(model, list(leaves) + [b for b in layer_blocks(model) if all(b is not m for m in leaves)])
 
 
 def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
