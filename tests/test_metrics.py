@@ -93,16 +93,21 @@ def test_log_every_logs_the_main_figures_with_one_prefix(caplog, tmp_path):
 
 def _grad_norms_at_world(rank, world, out):
     data = batches(3, world, 2)
-    results = {}
-    for stage in (0, 2, 3):
-        engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage})
-        norms = []
+    results, counts = {}, {}
+    for name, cfg in (("0", {"stage": 0}), ("2", {"stage": 2}), ("3", {"stage": 3}),
+                      ("0clip", {"stage": 0, "clip_grad_norm": 1e6}), ("1", {"stage": 1})):
+        engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
+        norms, per_step = [], []
         for step in data:
             x = step[0, rank]
             engine.backward(engine(input_ids=x, labels=x).loss)
             engine.step()
-            norms.append(engine.stats()["grad_norm"])
-        results[stage] = norms
+            stats = engine.stats()
+            norms.append(stats["grad_norm"])
+            per_step.append([stats["control_collectives"], stats["order_checks"]])
+        results[name] = norms
+        counts[name] = {"steps": per_step, "chunks": sum(c.trainable for c in engine.chunks)}
+    results["counts"] = counts
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -126,5 +131,20 @@ def test_grad_norm_without_clipping_is_the_global_norm_at_world_3(tmp_path_facto
         opt.step = stepped
         return opt
     reference(tiny_gpt2(), batches(3, 3, 2), norm_then_sgd)
-    for stage in ("0", "2", "3"):
+    for stage in ("0", "2", "3", "0clip", "1"):
         assert got[stage] == pytest.approx(ref_norms, rel=1e-5), stage
+
+
+def test_stage_0_steps_without_a_collective_of_its_own(tmp_path_factory):
+    """World 3: a stage-0 step issues no collective (which parameters got a gradient anywhere rides
+    on the gradient's all-reduce; the norm and finite check are each rank's own, the gradient being
+    the same on every rank) and its order check is the STEP tag's alone; with clipping, one control
+    all-reduce (rank 0's exact norm), which needs no comparison of its own after STEP's. Stages 1-3:
+    one control all-reduce per step (flags and norm), likewise without a comparison of its own."""
+    counts = _norms.get(3, tmp_path_factory)["counts"]
+    for name, control in (("0", 0), ("0clip", 1), ("1", 1), ("2", 1), ("3", 1)):
+        chunks = counts[name]["chunks"]
+        for collectives, checks in counts[name]["steps"][1:]:  # the first step's counts hold set-up
+            assert collectives == control, (name, counts[name])
+            if name.startswith("0"):  # one REDUCE comparison per chunk, then STEP's
+                assert checks == chunks + 1, (name, counts[name])

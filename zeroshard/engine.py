@@ -261,7 +261,7 @@ class Engine(EngineIO):
         invariant(self.phase is TrainingPhase.IDLE, lambda: f"a backward began in {self.phase}")
         self.phase = TrainingPhase.BACKWARD
         self.shards.at(pass_index=self.micro_steps)
-        self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync)
+        self.reducer.begin(self.chunks, self.micro_steps, sync=self._sync, scale=self.optim.arrival_scale)
 
     def _set_steps(self, steps: int) -> None:
         """Optimizer steps applied so far; errors name the one being worked towards (comm.step)."""
@@ -329,7 +329,8 @@ class Engine(EngineIO):
         self._expect_idle("step()")
         if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
             return False  # no backward since the last step: torch changes no parameter without a .grad
-        self.comm.agree(STEP)  # a rank a micro-batch or a step apart raises here or in its peers' hooks
+        # A rank a micro-batch or a step apart raises before the step's first collective, or in its peers' hooks
+        self.comm.announce(STEP)
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
         try:

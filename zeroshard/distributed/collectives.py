@@ -205,9 +205,16 @@ class Comm:
 
     def agree(self, kind: int) -> None:
         """With order checks on: raise DivergedError on every rank unless every rank is entering
-        the same phase (ordering.STEP, CHECKPOINT) at the same micro-batch count."""
+        the same phase (ordering.CHECKPOINT, PUBLISH) at the same micro-batch count."""
         if self.sequencer is not None:
             self.sequencer.agree(order_tag(kind, 0, self.pass_index))
+
+    def announce(self, kind: int) -> None:
+        """As agree, without waiting: the DivergedError comes before the next collective on this
+        group is issued (Sequencer.announce). For a phase that changes nothing before its first
+        collective (ordering.STEP)."""
+        if self.sequencer is not None:
+            self.sequencer.announce(order_tag(kind, 0, self.pass_index))
 
     def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective"):
         """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
@@ -347,9 +354,11 @@ class Comm:
                 return _reduce_scatter_single(shard, full, group=self.group, async_op=True)
         return self._issue(tag, collective, async_op, "reduce-scatter gradients")
 
-    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
-        """t <- sum over ranks of t, in place. Counts 2*len(t)."""
-        self._count(2 * t.numel())
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None,
+                       counted: int | None = None):
+        """t <- sum over ranks of t, in place. Counts 2*len(t), or 2*`counted` (elements of t that
+        are model data: a chunk's gradient without the flags riding behind it)."""
+        self._count(2 * (t.numel() if counted is None else counted))
         if self.world == 1:
             return None
         if self.staged:

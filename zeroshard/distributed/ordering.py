@@ -22,8 +22,12 @@ Which collectives compare what:
   (`Ticket.wait`): no barrier per chunk, so ranks may run a few modules apart.
 - a step and a checkpoint: a tag of their own on entry (STEP, CHECKPOINT); the all-gathers of an
   update: one tag for the batch, once the update is computed (PUBLISH), so a rank whose step raised
-  half-way never pairs its next collectives with them.
-- blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER).
+  half-way never pairs its next collectives with them. STEP is compared without waiting
+  (`Sequencer.announce`): the comparison is finished before the step's first collective is issued.
+- blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
+  except the first one after a phase tag with nothing handed over between: every rank entered the
+  same phase at the same micro-batch and runs the same code up to it, so finishing the phase's
+  comparison is the check (one round trip fewer per step: the step's control all-reduce).
 Untagged collectives first let everything handed over be issued (`drain`), so every rank issues
 one sequence on the group. With CUDA tensors each comparison is made before issuing, on host
 tensors: a host round trip per collective, never a host-device synchronisation.
@@ -199,10 +203,12 @@ class Sequencer:
         self.check = check
         self.inline = inline  # compare before issuing, blocking (CUDA)
         self._queue: collections.deque = collections.deque()  # (tag, buf, check work, issue, ticket)
+        self._announced = False  # a phase tag was handed over last (see the module's docstring)
 
     def submit(self, tag: int, issue):
         """`issue()` starts a collective and returns its work; it runs once the ranks agree on
         `tag`. Returns a Ticket (or, inline, the work itself): either has wait()/is_completed()."""
+        self._announced = False
         if self.inline:
             self.check.agree(tag)
             return issue()
@@ -235,9 +241,19 @@ class Sequencer:
             self.progress(until=self._queue[-1][-1])
         self.check.raise_if_failed()
 
+    def announce(self, tag: int) -> None:
+        """Compare a phase tag (STEP) without waiting; it is finished, in order, before anything
+        handed over later is issued."""
+        self.submit(tag, lambda: None)
+        self._announced = True
+
     def agree(self, tag: int) -> None:
-        """After everything handed over is issued: compare `tag` now (blocking)."""
+        """After everything handed over is issued: compare `tag` now (blocking), unless a phase
+        tag was the last thing handed over (the module's docstring says why that suffices)."""
         self.drain()
+        if self._announced:
+            self._announced = False
+            return
         self.check.agree(tag)
 _check_groups: dict = {}  # process group -> its check group, shared by the engines of the process
 # Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it

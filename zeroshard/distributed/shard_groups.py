@@ -215,9 +215,9 @@ class ShardGroups:
         else:
             self.across.all_reduce_sum(shard)
 
-    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag=None):
-        """Stage 0's whole-gradient all-reduce, over the data-parallel group."""
-        return self.dp.all_reduce_sum(t, async_op=async_op, tag=tag)
+    def all_reduce_sum(self, t: torch.Tensor, async_op: bool = False, tag=None, counted: int | None = None):
+        """Stage 0's whole-gradient all-reduce, over the data-parallel group (Comm.all_reduce_sum)."""
+        return self.dp.all_reduce_sum(t, async_op=async_op, tag=tag, counted=counted)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Set-up: data-parallel rank `src`'s values everywhere (every group starts alike)."""

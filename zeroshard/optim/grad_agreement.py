@@ -46,11 +46,28 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     return present, got[-2] > 0, got[-1]
 
 
+def replicated_grads(chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool
+                     ) -> tuple[list[list[bool]], bool, float]:
+    """Stage 0 with peers and no clipping: what agree_grads returns, without a collective. Every
+    rank holds the same all-reduced gradient (an all-reduce leaves the same bits on every rank, as
+    DDP's replicas rely on), so this rank's finite check and norm are every rank's; which slots got
+    a gradient on any rank came with the gradient (Chunk.present_anywhere; a chunk whose reduction
+    was abandoned, after a failed backward, has only this rank's `seen`). Returns (present,
+    overflow, squared norm)."""
+    present = [c.present_anywhere if c.present_anywhere is not None else [i in got for i in range(len(c.slots))]
+               for c, got in zip(chunks, seen)]
+    overflow = finite_check and any(g is not None and not torch.isfinite(g).all() for g in grads)
+    sq = float(squared_norm(grads, inv, exact=False)) if measure_norm and not overflow else 0.0
+    return present, overflow, sq
+
+
 def scale_in_place(grads: list, inv: float) -> None:
     """Multiply the fp32 gradients by `inv` in place, once, before anything reads them: what the
     step, the norm and the finite check need (scaling by a finite factor neither makes nor unmakes
-    an inf or NaN). A 16-bit gradient is left as it is: its fp32 copy (or CPUAdamW, as it reads it)
-    is scaled. inv == 1 (world 1, no accumulation, no loss scale) skips the pass: x * 1 is x."""
+    an inf or NaN). The caller passes None for a gradient scaled as it arrived (fp32 training
+    without a loss scale: Chunk.scales_on_arrival). A 16-bit gradient is left as it is: its fp32
+    copy (or CPUAdamW, as it reads it) is scaled. inv == 1 (world 1, no accumulation, no loss
+    scale) skips the pass: x * 1 is x."""
     if inv != 1.0:
         for g in grads:
             if g is not None and g.dtype == torch.float32:

@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..errors import NonFiniteError, TierFileError
-from .grad_agreement import agree_grads, scale_in_place, sum_across
+from .grad_agreement import agree_grads, replicated_grads, scale_in_place, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
@@ -175,6 +175,17 @@ class ShardedOptimizer(DelayedUpdate):
         scale = self.scaler.grads_scale if self.scaler else 1.0
         return 1.0 / (self.comm.world * self.accumulation * scale)
 
+    @property
+    def arrival_scale(self) -> float:
+        """What each gradient arriving in a chunk that scales on arrival (Chunk.scales_on_arrival)
+        is multiplied by: the step's divisor, world size x micro-batches, so the step makes no
+        pass to scale those chunks. 1.0 under fp16 loss scaling: the step scales (the scale that
+        made a window's gradients is settled only at its step)."""
+        return self._inv_scale() if self.scaler is None else 1.0
+
+    def _scaled_on_arrival(self, c) -> bool:
+        return c.scales_on_arrival and self.scaler is None
+
     def _grads_seen(self) -> list[set[int]]:
         """Per chunk, the slots that got a gradient on this rank since the last step (a copy)."""
         return [set(c.slots_with_grad) for c in self.chunks]
@@ -188,7 +199,7 @@ class ShardedOptimizer(DelayedUpdate):
         (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing)."""
-        scale_in_place(grads, inv)
+        scale_in_place([None if self._scaled_on_arrival(c) else g for c, g in zip(self.chunks, grads)], inv)
         exact = self.clip is not None
         # Stage 0: every rank holds the whole gradient: one rank measures it for clipping (the
         # exact norm), each rank its share otherwise (no rank then waits for one rank's pass).
@@ -199,9 +210,17 @@ class ShardedOptimizer(DelayedUpdate):
             norm_here = comm.rank == 0 or share is not None
         else:
             norm_here = self.shards.replica == 0 or self.shards.split
-        present, overflow, sq = agree_grads(
-            comm, self.chunks, grads, seen, inv, finite_check=self.scaler is not None or self.nonfinite != "ignore",
-            measure_norm=self.measure_norm, exact_norm=exact, share=share, norm_here=norm_here)
+        finite_check = self.scaler is not None or self.nonfinite != "ignore"
+        # Stage 0 with peers (the step in the training thread) needs no collective but for the
+        # clipping norm, which rank 0 measures for all (a norm measured on each rank could differ
+        # in its last bits between ranks that sum in different orders, and so could the replicas).
+        if not exact and comm is self.comm and all(c.presence_tail for c in self.chunks) and not self.shards.hybrid:
+            present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
+                                                     measure_norm=self.measure_norm)
+        else:
+            present, overflow, sq = agree_grads(
+                comm, self.chunks, grads, seen, inv, finite_check=finite_check,
+                measure_norm=self.measure_norm, exact_norm=exact, share=share, norm_here=norm_here)
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None

@@ -15,6 +15,9 @@ from .offload import Pending, fold_host_grad
 from .packing import Slot
 
 
+_ZERO = torch.zeros(())  # a scalar 0.0 that broadcasts: accumulate_grad's first write is 0 + scale * grad
+
+
 class GradState(enum.Enum):
     """A trainable chunk's gradient within one backward pass."""
 
@@ -25,18 +28,37 @@ class GradState(enum.Enum):
 
 class ChunkGrads:
     """The gradient's part of Chunk: its attributes (grad_full, grad_shard, grad_state, slots,
-    slots_with_grad, ...) are set by Chunk.__init__."""
+    slots_with_grad, presence_tail, present_anywhere, ...) are set by Chunk.__init__."""
 
-    def accumulate_grad(self, slot: Slot, grad: torch.Tensor) -> None:
+    @property
+    def grad_numel(self) -> int:
+        """Elements of grad_full: the padded chunk, and at stage 0 with peers one presence flag
+        per slot after it (see start_reduce)."""
+        return self.padded_numel + self.presence_tail
+
+    @property
+    def scales_on_arrival(self) -> bool:
+        """fp32 gradients into an fp32 buffer: each is multiplied by the step's divisor as it
+        arrives (GradientReducer.scale, from the optimizer's arrival_scale), in the pass that
+        copies or adds it anyway, so the step makes no pass of its own to scale them. A gradient
+        arriving in 16 bits is left as it is: scaled in 16 bits it would round (or, under an fp16
+        loss scale, underflow)."""
+        return self.dtype == self.grad_dtype == torch.float32
+
+    def accumulate_grad(self, slot: Slot, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Add one parameter's gradient, times `scale`, into its slot of grad_full."""
         i = self._slot_index[id(slot)]
         if self.grad_full is None:
             self.grad_full = self._unzeroed_grad()
         dst = self.grad_full[slot.offset:slot.offset + slot.numel]
         if self._unwritten is not None and i in self._unwritten:
-            torch.add(grad.reshape(-1), 0.0, out=dst)  # what zeros + grad gives, bit for bit (-0.0 too)
+            # What zeros + scale * grad gives, bit for bit (-0.0 too)
+            torch.add(_ZERO, grad.reshape(-1), alpha=scale, out=dst)
             self._unwritten.discard(i)
-        else:
+        elif scale == 1.0:
             dst.add_(grad.reshape(-1))
+        else:
+            dst.add_(grad.reshape(-1), alpha=scale)
         self.slots_with_grad.add(i)
 
     def _unzeroed_grad(self) -> torch.Tensor:
@@ -47,8 +69,8 @@ class ChunkGrads:
                 if s.offset > end:
                     self._gaps.append((end, s.offset))
                 end = max(end, s.offset + s.numel)
-            self._gaps.append((end, self.padded_numel))
-        buf = torch.empty(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self._gaps.append((end, self.grad_numel))
+        buf = torch.empty(self.grad_numel, dtype=self.grad_dtype, device=self.device)
         for a, b in self._gaps:
             buf[a:b].zero_()
         self._unwritten = set(range(len(self.slots)))
@@ -70,10 +92,18 @@ class ChunkGrads:
                   lambda: f"chunk {self.index}: start_reduce in {self.grad_state}")
         self.grad_state = GradState.REDUCING
         if self.grad_full is None:  # no parameter of this chunk got a gradient on this rank
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self.grad_full = torch.zeros(self.grad_numel, dtype=self.grad_dtype, device=self.device)
         self._settle_grad()
         if self.stage == 0:
-            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
+            if self.presence_tail:
+                # Every slot that got a gradient here since the step (several backward passes: all
+                # of them), summed with the gradient: finish_reduce reads which got one anywhere.
+                tail = self.grad_full[self.padded_numel:]
+                tail.zero_()
+                if self.slots_with_grad:
+                    tail[sorted(self.slots_with_grad)] = 1.0
+            self.reduce_work = comm.all_reduce_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index),
+                                                   counted=self.padded_numel)
         else:
             self.reduce_work = comm.reduce_scatter_sum(self.grad_full, async_op=True, tag=(REDUCE, self.index))
 
@@ -109,6 +139,8 @@ class ChunkGrads:
             return
         self.grad_state = GradState.REDUCED
         lo, hi = self.reduced_range
+        if self.presence_tail:  # read before a stashed buffer (older flags) takes its place
+            self.present_anywhere = [v > 0 for v in self.grad_full[self.padded_numel:].tolist()]
         if self.stage <= 1:
             if stashed is not None:
                 stashed[lo:hi].add_(self.grad_full[lo:hi])
@@ -167,6 +199,7 @@ class ChunkGrads:
         2-3: the pass's full gradient; stages 0-1 keep theirs, accumulated as torch's .grad is)."""
         self.reduce_work = None
         self.stash = None
+        self.present_anywhere = None
         if self.stage >= 2:
             self.grad_full, self._unwritten = None, None
         self.grads_seen = 0
@@ -197,6 +230,7 @@ class ChunkGrads:
             lo, hi = self.shard_range
             self.grad_full[:lo].zero_()
             self.grad_full[hi:].zero_()
+        self.present_anywhere = None  # the next reduction tells anew
         self.grad_state = GradState.ACCUMULATING
 
     def zero_grad(self) -> None:
@@ -205,6 +239,7 @@ class ChunkGrads:
             self.grad_in_flight = None
         self.host_grad = None
         self.slots_with_grad.clear()
+        self.present_anywhere = None
         if self.stage <= 1:
             self._unwritten = set(range(len(self.slots)))
         else:

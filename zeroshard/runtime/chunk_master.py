@@ -47,7 +47,7 @@ class ChunkMaster:
                 self.master.copy_(self.shard)  # the owned range at every stage (stage 0: the whole chunk)
         self.pieces = self._master_pieces()
         if self.stage <= 1:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self.grad_full = torch.zeros(self.grad_numel, dtype=self.grad_dtype, device=self.device)
         self.expected_grads = len(self.slots)
 
     def _master_pieces(self) -> list[MasterPiece]:

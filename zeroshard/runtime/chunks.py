@@ -104,8 +104,12 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         # gradient of a backward pass until this chunk's reduce-scatter completes.
         self.grad_full = None
         self.grad_shard = None
+        # Stage 0 with peers: each slot's "got a gradient here" flag rides at the end of grad_full,
+        # summed by the same all-reduce (ChunkGrads.present_anywhere): the step needs no collective.
+        self.presence_tail = len(slots) if stage == 0 and world > 1 else 0
+        self.present_anywhere: list[bool] | None = None
         if trainable and stage <= 1:
-            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=device)
+            self.grad_full = torch.zeros(self.grad_numel, dtype=self.grad_dtype, device=device)
         self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
         self.grad_state = GradState.ACCUMULATING
         self.stash = None  # (reduced buffer, its work) set aside when a late gradient arrives

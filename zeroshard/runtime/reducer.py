@@ -40,13 +40,17 @@ class GradientReducer:
         self._counted_at_leaf_end: set[int] = set()  # id(param): see count_at_leaf_end
         # stages 0-1: gradients accumulated since the last reducing backward pass, not reduced yet
         self.unreduced = False
+        self.scale = 1.0  # what a gradient is multiplied by as it arrives in a chunk that scales on arrival
 
-    def begin(self, chunks: list[Chunk], micro_batch: int, sync: bool = True) -> None:
+    def begin(self, chunks: list[Chunk], micro_batch: int, sync: bool = True, scale: float | None = None) -> None:
         """A backward pass of micro-batch `micro_batch` (counted from 0) starts. At stages 0-1 it
         reduces if that micro-batch ends an accumulation window and `sync` (False: inside
         Engine.no_sync, the step reduces instead), and a chunk already reduced for this step (an
         earlier backward call before the same step) is reopened, so its earlier sum is not reduced
-        twice."""
+        twice. `scale`: what each gradient arriving in a chunk that scales on arrival
+        (Chunk.scales_on_arrival) is multiplied by (None: as before)."""
+        if scale is not None:
+            self.scale = scale
         self.reduce_now = self.stage >= 2 or (sync and (micro_batch + 1) % self.accumulation == 0)
         self.unreduced = not self.reduce_now
         for c in chunks:
@@ -64,7 +68,7 @@ class GradientReducer:
         reduction aside, to be folded in with the late gradients' own."""
         if chunk.grad_state is GradState.REDUCING:
             chunk.stash_reduced()
-        chunk.accumulate_grad(slot, grad)
+        chunk.accumulate_grad(slot, grad, self.scale if chunk.scales_on_arrival else 1.0)
         if id(slot.param) not in self._counted_at_leaf_end:
             self._count(chunk, slot)
 
