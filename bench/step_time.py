@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 bench/step_time.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
         [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3][,ddp+c,zs0+c,...,zs3+c]] [--cache-chunks N] [--chunk-size N]
-        [--check-order | --no-check-order] [--phase-sync]
+        [--check-order | --no-check-order] [--grad-norm | --no-grad-norm] [--phase-sync]
 
 "zs3@N" is stage 3 with an N-chunk rCache beside the others (whatever --cache-chunks gives them).
 Compiled systems (opt-in, inductor): "ddp+c" is torch.compile(DDP(model)), "zs0+c".."zs3+c" zeroshard
@@ -141,7 +141,7 @@ def build(name, args):
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
         "stage": int(name[2:]), "cache_chunks": int(cache) if cache else args.cache_chunks,
-        "check_order": args.check_order,
+        "check_order": args.check_order, "grad_norm": getattr(args, "grad_norm", True),
         "chunk_size": getattr(args, "chunk_size", None) or "auto", "compile": compiled})
     return (Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step,
                    engine.apply_delayed_update), engine)
@@ -282,7 +282,7 @@ def print_table(rows, machine, args):
     ref = WORKLOADS[args.model]["reference_losses"]
     print(f"{args.model}, {args.steps} steps ({args.warmup} warmup, turns of {args.block}), "
           f"chunk_size={args.chunk_size or 'auto'}, cache_chunks={args.cache_chunks}, "
-          f"check_order={args.check_order}; reference losses "
+          f"check_order={args.check_order}, grad_norm={args.grad_norm}; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
     print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
     print(f"{'system':<7} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29} "
@@ -333,6 +333,9 @@ def main():
     ap.add_argument("--cache-chunks", type=int, default=None, help="stage 3 rCache size (default unlimited)")
     ap.add_argument("--chunk-size", type=int, default=None, help="zeroshard chunk capacity in elements (default auto)")
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--grad-norm", action=argparse.BooleanOptionalAction, default=True,
+                    help="zeroshard config grad_norm: the gradient's global norm in stats() at every step "
+                         "(a pass over the gradient that DDP does not make)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(s for s in systems if not re.fullmatch(r"zs3@[1-9][0-9]*(\+c)?", s))
@@ -373,7 +376,7 @@ def main():
                            "block": args.block,
                            "phase_sync": args.phase_sync, "cache_chunks": args.cache_chunks,
                            "chunk_size": args.chunk_size,
-                           "check_order": args.check_order,
+                           "check_order": args.check_order, "grad_norm": args.grad_norm,
                            "reference_losses": WORKLOADS[args.model]["reference_losses"], "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")
     dist.destroy_process_group()

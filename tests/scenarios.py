@@ -371,16 +371,17 @@ def _add_reads_after_step():
 _add_reads_after_step()
 
 
-@scenario
-def desync_after_a_caught_backward_error(rank, world):
+def desync_after_a_caught_backward_error(rank, world, stage=2):
     """Rank 0 raises half-way through a backward (after some chunks were reduced), catches it and
-    carries on, a micro-batch behind the others: every rank must get DivergedError, never a hang."""
+    carries on, a micro-batch behind the others: every rank must get DivergedError, never a hang.
+    At stage 0 the others' step issues no collective (its STEP comparison meets rank 0's next
+    gradient reduction's); at stages 1-3 the step's control all-reduce goes out beside it."""
     import time
     from zeroshard import DivergedError
     if world == 1:
         return {"raised": "n/a at world 1"}
     data = batches(6, world, 2)
-    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 2, "chunk_size": 4000})
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 4000})
     fail = {"now": False}
 
     def planted(grad):
@@ -408,6 +409,11 @@ def desync_after_a_caught_backward_error(rank, world):
     else:
         mine = {"raised": None}
     return {"ranks": _gather(mine, world)}
+
+
+for _stage in (0, 1, 2):
+    SCENARIOS["desync_after_a_caught_backward_error" + ("" if _stage == 2 else f"_stage{_stage}")] = \
+        lambda rank, world, stage=_stage: desync_after_a_caught_backward_error(rank, world, stage)
 
 
 @scenario

@@ -161,14 +161,15 @@ def test_plain_loss_backward_with_fp16_raises_the_named_error(res):
     assert "call engine.backward(loss)" in (ok(r, "plain_backward_fp16_raises")["raised"] or "")
 
 
-@pytest.mark.parametrize("where", ["backward", "step"])
+@pytest.mark.parametrize("where", ["backward", "backward_stage0", "backward_stage1", "step"])
 def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(res, where):
     """Rank 0 raises half-way through its third backward (or its optimizer step raises after the
     step's first collective), catches it and goes on, a micro-batch (a step) behind: every rank
     raises DivergedError within 30 s (every collective on the group, the step's own included, is
     compared first, with micro-batch counts), instead of training out of step and hanging later."""
     r, world = res
-    got = ok(r, f"desync_after_a_caught_{where}_error")
+    got = ok(r, "desync_after_a_caught_" + where.replace("_stage", "_error_stage") if "_stage" in where
+             else f"desync_after_a_caught_{where}_error")
     if world == 1:
         assert got["raised"] == "n/a at world 1"
         return

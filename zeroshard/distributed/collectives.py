@@ -238,6 +238,9 @@ class Comm:
         elif async_op:
             self.sequencer.drain()
             work = collective()
+        elif self.sequencer.phase_alone():  # issued beside the phase's comparison (ordering.py)
+            work = collective()
+            self.sequencer.drain()  # a disagreement raises before the result is read
         else:
             self._agree_here()
             work = collective()

@@ -25,9 +25,14 @@ Which collectives compare what:
   half-way never pairs its next collectives with them. STEP is compared without waiting
   (`Sequencer.announce`): the comparison is finished before the step's first collective is issued.
 - blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
-  except the first one after a phase tag with nothing handed over between: every rank entered the
-  same phase at the same micro-batch and runs the same code up to it, so finishing the phase's
-  comparison is the check (one round trip fewer per step: the step's control all-reduce).
+  except the first one after a phase tag with nothing handed over between (the step's control
+  all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's
+  comparison is its check, and it is issued at once, beside that comparison, which is finished
+  before its result is read (`Sequencer.phase_alone`): one round trip per step instead of three.
+  Issuing before the comparison is back pairs nothing wrongly: a rank elsewhere sends a
+  comparison of its own first, which meets the phase's and raises there, and never issues a
+  collective to pair with this one; a rank in the same phase at another micro-batch issues the
+  same control all-reduce, whose mixed result no rank reads, as both raise at the comparison.
 Untagged collectives first let everything handed over be issued (`drain`), so every rank issues
 one sequence on the group. With CUDA tensors each comparison is made before issuing, on host
 tensors: a host round trip per collective, never a host-device synchronisation.
@@ -204,6 +209,7 @@ class Sequencer:
         self.inline = inline  # compare before issuing, blocking (CUDA)
         self._queue: collections.deque = collections.deque()  # (tag, buf, check work, issue, ticket)
         self._announced = False  # a phase tag was handed over last (see the module's docstring)
+        self._phase_ticket = None  # ... its entry in the queue
 
     def submit(self, tag: int, issue):
         """`issue()` starts a collective and returns its work; it runs once the ranks agree on
@@ -236,7 +242,9 @@ class Sequencer:
                 return
 
     def drain(self) -> None:
-        """Issue everything handed over (waiting for its comparisons)."""
+        """Issue everything handed over (waiting for its comparisons). An untagged collective
+        follows: a phase tag no longer stands for the next one (agree)."""
+        self._announced = False
         if self._queue:
             self.progress(until=self._queue[-1][-1])
         self.check.raise_if_failed()
@@ -244,17 +252,21 @@ class Sequencer:
     def announce(self, tag: int) -> None:
         """Compare a phase tag (STEP) without waiting; it is finished, in order, before anything
         handed over later is issued."""
-        self.submit(tag, lambda: None)
+        self._phase_ticket = self.submit(tag, lambda: None)
         self._announced = True
+
+    def phase_alone(self) -> bool:
+        """A phase tag was handed over last and nothing before it waits to be issued: an untagged
+        collective may be issued beside its comparison, then `drain()` (the module's docstring)."""
+        return self._announced and all(entry[-1] is self._phase_ticket for entry in self._queue)
 
     def agree(self, tag: int) -> None:
         """After everything handed over is issued: compare `tag` now (blocking), unless a phase
         tag was the last thing handed over (the module's docstring says why that suffices)."""
+        announced = self._announced
         self.drain()
-        if self._announced:
-            self._announced = False
-            return
-        self.check.agree(tag)
+        if not announced:
+            self.check.agree(tag)
 _check_groups: dict = {}  # process group -> its check group, shared by the engines of the process
 # Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it
 # queued, and after a divergence some are never paired.

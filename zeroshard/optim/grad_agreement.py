@@ -51,11 +51,19 @@ def replicated_grads(chunks, grads, seen, inv: float, *, finite_check: bool, mea
     """Stage 0 with peers and no clipping: what agree_grads returns, without a collective. Every
     rank holds the same all-reduced gradient (an all-reduce leaves the same bits on every rank, as
     DDP's replicas rely on), so this rank's finite check and norm are every rank's; which slots got
-    a gradient on any rank came with the gradient (Chunk.present_anywhere; a chunk whose reduction
-    was abandoned, after a failed backward, has only this rank's `seen`). Returns (present,
-    overflow, squared norm)."""
-    present = [c.present_anywhere if c.present_anywhere is not None else [i in got for i in range(len(c.slots))]
-               for c, got in zip(chunks, seen)]
+    a gradient on any rank came with the gradient (Chunk.presence, read in one host copy; a chunk
+    whose reduction was abandoned, after a failed backward, has only this rank's `seen`). Returns
+    (present, overflow, squared norm)."""
+    summed = [c.presence for c in chunks if c.presence is not None]
+    flags = torch.cat(summed).tolist() if summed else []
+    present, k = [], 0
+    for c, got in zip(chunks, seen):
+        n = len(c.slots)
+        if c.presence is None:
+            present.append([i in got for i in range(n)])
+        else:
+            present.append([v > 0 for v in flags[k:k + n]])
+            k += n
     overflow = finite_check and any(g is not None and not torch.isfinite(g).all() for g in grads)
     sq = float(squared_norm(grads, inv, exact=False)) if measure_norm and not overflow else 0.0
     return present, overflow, sq

@@ -40,6 +40,7 @@ import math
 import torch
 
 from ..errors import NonFiniteError, TierFileError
+from .grad_views import GradViews
 from .grad_agreement import agree_grads, replicated_grads, scale_in_place, sum_across
 from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
@@ -76,6 +77,7 @@ class ShardedOptimizer(DelayedUpdate):
         self.nonfinite = nonfinite
         self.optimizer = None
         self.chunks = []
+        self._views = GradViews()  # the pieces' .grad
         self.last_grad_norm = None
         self.skipped_steps = 0
         self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
@@ -99,6 +101,7 @@ class ShardedOptimizer(DelayedUpdate):
         its parameter (param_groups.py). Before the first update the optimizer holds no state (or
         only what it made when built), so re-packing chunks only swaps the tensors it updates."""
         self.chunks = [c for c in chunks if c.trainable]
+        self._views.retain(self.chunks)
         pieces = [pc for c in self.chunks for pc in c.pieces]
         if self.optimizer is None:
             self.optimizer = self.groups.build(pieces)
@@ -133,6 +136,7 @@ class ShardedOptimizer(DelayedUpdate):
         if self.update is not UpdateState.IDLE:
             raise RuntimeError("zeroshard: land the delayed update before adopting chunks")
         self.chunks = [c for c in chunks if c.trainable]
+        self._views.retain(self.chunks)
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
         for c in thawed:
@@ -235,18 +239,17 @@ class ShardedOptimizer(DelayedUpdate):
             if g is None:  # no backward reached this chunk (cannot happen after a flush): zero grad
                 g = torch.zeros(c.master.numel(), dtype=c.grad_dtype, device=c.master.device)
             lo = c.owned_range[0]
-            stepped = [pc for pc in c.pieces if has_grad[pc.index]]
             if read_16bit is not None and g.dtype != torch.float32 and g.device.type == c.master.device.type == "cpu":
-                for pc in stepped:
+                for pc in [pc for pc in c.pieces if has_grad[pc.index]]:
                     read_16bit[id(pc.param)] = (g[pc.lo - lo:pc.hi - lo].view(pc.param.shape), inv,
                                                 1.0 if coef is None else coef)
                 return
-            if g.dtype != torch.float32:  # fp32 ones were scaled in place (scale_in_place)
+            lasting = self.stage <= 1 and g.dtype == torch.float32 and not c.placement.optimizer_on_host
+            if g.dtype != torch.float32:  # fp32 ones were scaled (scale_in_place, or as they arrived)
                 g = g.float().mul_(inv)
             if coef is not None:
                 g.mul_(coef)
-            for pc in stepped:
-                pc.param.grad = g[pc.lo - lo:pc.hi - lo].view(pc.param.shape)
+            self._views.bind(c, g, has_grad, lasting)
 
         one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
         together = [i for i, c in enumerate(self.chunks) if not c.placement.optimizer_on_host]
@@ -292,7 +295,7 @@ class ShardedOptimizer(DelayedUpdate):
                 for t in [self.tier, *shard_tiers]:
                     t.fail(e)
                 raise
-        self._drop_grads()
+        self._drop_grads(keep_lasting=True)
         return True, False, norm
 
     def _step_chunks(self, opt, chunks, target_of) -> list:
@@ -404,10 +407,8 @@ class ShardedOptimizer(DelayedUpdate):
         for c in self.chunks:
             c.zero_grad()
 
-    def _drop_grads(self) -> None:
-        for c in self.chunks:
-            for pc in c.pieces:
-                pc.param.grad = None
+    def _drop_grads(self, keep_lasting: bool = False) -> None:
+        self._views.drop(self.chunks, keep_lasting)
         for name in ("copied", "grad_inputs", "copy_targets"):  # CPUAdamW's per-step side channels
             if hasattr(self.optimizer, name):
                 getattr(self.optimizer, name).clear()

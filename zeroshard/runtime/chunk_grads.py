@@ -28,7 +28,7 @@ class GradState(enum.Enum):
 
 class ChunkGrads:
     """The gradient's part of Chunk: its attributes (grad_full, grad_shard, grad_state, slots,
-    slots_with_grad, presence_tail, present_anywhere, ...) are set by Chunk.__init__."""
+    slots_with_grad, presence_tail, presence, ...) are set by Chunk.__init__."""
 
     @property
     def grad_numel(self) -> int:
@@ -97,7 +97,7 @@ class ChunkGrads:
         if self.stage == 0:
             if self.presence_tail:
                 # Every slot that got a gradient here since the step (several backward passes: all
-                # of them), summed with the gradient: finish_reduce reads which got one anywhere.
+                # of them), summed with the gradient: finish_reduce keeps the sums (presence).
                 tail = self.grad_full[self.padded_numel:]
                 tail.zero_()
                 if self.slots_with_grad:
@@ -139,8 +139,8 @@ class ChunkGrads:
             return
         self.grad_state = GradState.REDUCED
         lo, hi = self.reduced_range
-        if self.presence_tail:  # read before a stashed buffer (older flags) takes its place
-            self.present_anywhere = [v > 0 for v in self.grad_full[self.padded_numel:].tolist()]
+        if self.presence_tail:  # per slot, the ranks that got a gradient (a stashed buffer's are older)
+            self.presence = self.grad_full[self.padded_numel:].clone()
         if self.stage <= 1:
             if stashed is not None:
                 stashed[lo:hi].add_(self.grad_full[lo:hi])
@@ -199,7 +199,7 @@ class ChunkGrads:
         2-3: the pass's full gradient; stages 0-1 keep theirs, accumulated as torch's .grad is)."""
         self.reduce_work = None
         self.stash = None
-        self.present_anywhere = None
+        self.presence = None
         if self.stage >= 2:
             self.grad_full, self._unwritten = None, None
         self.grads_seen = 0
@@ -230,7 +230,7 @@ class ChunkGrads:
             lo, hi = self.shard_range
             self.grad_full[:lo].zero_()
             self.grad_full[hi:].zero_()
-        self.present_anywhere = None  # the next reduction tells anew
+        self.presence = None  # the next reduction tells anew
         self.grad_state = GradState.ACCUMULATING
 
     def zero_grad(self) -> None:
@@ -239,7 +239,7 @@ class ChunkGrads:
             self.grad_in_flight = None
         self.host_grad = None
         self.slots_with_grad.clear()
-        self.present_anywhere = None
+        self.presence = None
         if self.stage <= 1:
             self._unwritten = set(range(len(self.slots)))
         else:

@@ -105,9 +105,9 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         self.grad_full = None
         self.grad_shard = None
         # Stage 0 with peers: each slot's "got a gradient here" flag rides at the end of grad_full,
-        # summed by the same all-reduce (ChunkGrads.present_anywhere): the step needs no collective.
+        # summed by the same all-reduce (ChunkGrads.presence): the step needs no collective.
         self.presence_tail = len(slots) if stage == 0 and world > 1 else 0
-        self.present_anywhere: list[bool] | None = None
+        self.presence: torch.Tensor | None = None
         if trainable and stage <= 1:
             self.grad_full = torch.zeros(self.grad_numel, dtype=self.grad_dtype, device=device)
         self.grads_seen = 0  # parameters whose gradient arrived in this backward pass
