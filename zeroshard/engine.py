@@ -329,7 +329,8 @@ class Engine(EngineIO):
         self._expect_idle("step()")
         if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
             return False  # no backward since the last step: torch changes no parameter without a .grad
-        # A rank a micro-batch or a step apart raises before the step's first collective, or in its peers' hooks
+        # A rank a micro-batch or a step apart raises at the step's first collective (stage 0 without
+        # clipping has none: at the next one), or in its peers' hooks (ordering.py)
         self.comm.announce(STEP)
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP

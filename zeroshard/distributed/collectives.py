@@ -210,9 +210,10 @@ class Comm:
             self.sequencer.agree(order_tag(kind, 0, self.pass_index))
 
     def announce(self, kind: int) -> None:
-        """As agree, without waiting: the DivergedError comes before the next collective on this
-        group is issued (Sequencer.announce). For a phase that changes nothing before its first
-        collective (ordering.STEP)."""
+        """As agree, without waiting: the DivergedError comes before the result of the next
+        collective on this group is read (Sequencer.announce, phase_alone). For a phase that changes
+        nothing before its first collective, or has none (ordering.STEP; ordering.py says what a
+        step without one means)."""
         if self.sequencer is not None:
             self.sequencer.announce(order_tag(kind, 0, self.pass_index))
 

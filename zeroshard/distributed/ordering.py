@@ -23,7 +23,9 @@ Which collectives compare what:
 - a step and a checkpoint: a tag of their own on entry (STEP, CHECKPOINT); the all-gathers of an
   update: one tag for the batch, once the update is computed (PUBLISH), so a rank whose step raised
   half-way never pairs its next collectives with them. STEP is compared without waiting
-  (`Sequencer.announce`): the comparison is finished before the step's first collective is issued.
+  (`Sequencer.announce`): the comparison is finished before the result of the step's first
+  collective is read. A step without a collective (stage 0, no clipping) leaves it to the next
+  collective: a rank out of step then applies its update and raises there, on every rank.
 - blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
   except the first one after a phase tag with nothing handed over between (the step's control
   all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's
@@ -251,7 +253,8 @@ class Sequencer:
 
     def announce(self, tag: int) -> None:
         """Compare a phase tag (STEP) without waiting; it is finished, in order, before anything
-        handed over later is issued."""
+        handed over later is issued, and before the result of an untagged collective issued beside
+        it is read (phase_alone)."""
         self._phase_ticket = self.submit(tag, lambda: None)
         self._announced = True
 

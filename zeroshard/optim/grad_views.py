@@ -2,7 +2,7 @@
 reads. Where the gradient is a buffer that outlives the step (stages 0-1, fp32, optimizer on the
 device: the chunk's grad_full), the views are made once and stay on the pieces between steps, as
 a plain model's .grad stays between steps: a step then makes no tensor and sets no .grad (at
-gpt2-tiny's 52 pieces, about 0.4 ms of a 10 ms step here). Any other gradient (a 16-bit one's fp32
+gpt2-tiny's 52 pieces, 0.2-0.3 ms of an 11 ms step here). Any other gradient (a 16-bit one's fp32
 copy, a stage 2-3 shard made anew each step) is viewed for one step and let go after it."""
 from __future__ import annotations
 

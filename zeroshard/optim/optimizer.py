@@ -218,7 +218,8 @@ class ShardedOptimizer(DelayedUpdate):
         # Stage 0 with peers (the step in the training thread) needs no collective but for the
         # clipping norm, which rank 0 measures for all (a norm measured on each rank could differ
         # in its last bits between ranks that sum in different orders, and so could the replicas).
-        if not exact and comm is self.comm and all(c.presence_tail for c in self.chunks) and not self.shards.hybrid:
+        if self.stage == 0 and not exact and comm is self.comm and not self.shards.hybrid \
+                and all(c.presence_tail for c in self.chunks):
             present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
                                                      measure_norm=self.measure_norm)
         else:
