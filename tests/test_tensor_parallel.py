@@ -44,6 +44,17 @@ def test_trains_the_single_process_model(res, name):
     assert got["keys_match"]
     assert got["diff"] <= tol, f"{name} at world {world}: max |zeroshard - torch| = {got['diff']:.3g} > {tol}"
     assert got["tensor_parallel"] == 2 and got["world_size"] == world // 2
+    # The norm would cover only this tensor-parallel rank's shards: reported as not measured
+    assert got["grad_norm"] is None
+
+
+def test_clipping_with_tensor_parallel_is_refused_by_name():
+    """clip_grad_norm under tensor parallelism would clip each TP rank by the norm of its own
+    shards (measured before the refusal: 1.67 / 1.66 against the model's 1.87, the trained model
+    1.3e-4 from PyTorch's): a ConfigError, not a different model."""
+    import zeroshard
+    with pytest.raises(zeroshard.ConfigError, match="clip_grad_norm with tensor_parallel"):
+        zeroshard.Config(clip_grad_norm=1.0, tensor_parallel=2)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

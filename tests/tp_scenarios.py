@@ -136,7 +136,7 @@ def scenario(name, world):
     figures.update(
         diff=max_diff(full, ref), keys_match=sorted(full) == sorted(ref),
         peak_activations=timeline.peak("activations"), peak_host_activations=timeline.peak("host_activations"),
-        **{k: stats[k] for k in ("comm_elements", "padded_elements", "num_params", "world_size", "tensor_parallel",
+        **{k: stats[k] for k in ("comm_elements", "padded_elements", "num_params", "world_size", "tensor_parallel", "grad_norm",
                                  "saved_activation_bytes", "pa_elements", "pa_fingerprints", "pa_partitioned_elements")
                  if k in stats},
         full_numel=sum(v.numel() for v in ref.values()), local_batch=per, hidden=64, layers=2, seq=SEQ, vocab=VOCAB)
