@@ -14,12 +14,18 @@ class GradViews:
 
     def __init__(self):
         self._kept: dict[int, tuple[object, int, list[torch.Tensor]]] = {}  # id(chunk) -> (chunk, data_ptr, views)
+        self._bound: dict[int, torch.Tensor] = {}  # id(chunk) -> the gradient bound this step
+
+    def bound(self, c) -> torch.Tensor:
+        """The fp32 gradient of chunk c's owned range that its pieces' .grad view this step."""
+        return self._bound[id(c)]
 
     def bind(self, c, g: torch.Tensor, has_grad: list[bool], lasting: bool) -> None:
         """Point the .grad of chunk c's pieces that got a gradient (`has_grad`, per slot) at their
         part of `g` (the owned range), the others' at None. `lasting`: g is a buffer that outlives
         the step (its views may stay)."""
         lo = c.owned_range[0]
+        self._bound[id(c)] = g
         entry = self._kept.get(id(c))
         if lasting and entry is not None and entry[0] is c and entry[1] == g.data_ptr():
             views = entry[2]
@@ -37,6 +43,7 @@ class GradViews:
     def drop(self, chunks, keep_lasting: bool = False) -> None:
         """Clear the pieces' .grad, but, with `keep_lasting`, those of chunks whose views stay."""
         for c in chunks:
+            self._bound.pop(id(c), None)
             if keep_lasting and id(c) in self._kept:
                 continue
             self._kept.pop(id(c), None)

@@ -47,6 +47,7 @@ from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
 from .tiered_states import TieredStates, agree_on_tier
+from .tiled_step import TiledStep
 from .delayed_update import DelayedUpdate, UpdateState
 
 
@@ -78,6 +79,7 @@ class ShardedOptimizer(DelayedUpdate):
         self.optimizer = None
         self.chunks = []
         self._views = GradViews()  # the pieces' .grad
+        self._tiles = TiledStep()  # which pieces step as cache-sized tiles (tiled_step.py)
         self.last_grad_norm = None
         self.skipped_steps = 0
         self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
@@ -110,6 +112,7 @@ class ShardedOptimizer(DelayedUpdate):
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
+        self._tiles.build(self.optimizer, self.chunks if self.tier is None else [])
         if self.tier is not None:  # the masters go to disk now: host memory holds a few at a time from here on
             on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
             self.tier.attach(on_disk)
@@ -139,6 +142,7 @@ class ShardedOptimizer(DelayedUpdate):
         self._views.retain(self.chunks)
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
+        self._tiles.build(self.optimizer, self.chunks if self.tier is None else [])
         for c in thawed:
             if c.tier is not None:
                 c.tier.adopt(c)
@@ -313,18 +317,10 @@ class ShardedOptimizer(DelayedUpdate):
         # The user's optimizer is stepped through its own step (an LR scheduler wraps that to
         # count calls); the delayed update's view of it through the class's.
         run = opt.step if opt is self.optimizer else (lambda: type(opt).step(opt))
-        if len(chunks) == len(self.chunks):
+        if not self._tiles.current(opt):  # the groups were given other lists since (ParamGroups.assign)
+            self._tiles.build(opt, self.chunks if self.tier is None else [])
+        with self._tiles.stepping(opt, chunks, self._views.bound):
             run()
-            return targets
-        keep = {id(pc.param) for c in chunks for pc in c.pieces}
-        saved = [g["params"] for g in opt.param_groups]
-        for g in opt.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) in keep]
-        try:
-            run()
-        finally:
-            for g, params in zip(opt.param_groups, saved):
-                g["params"] = params
         return targets
 
     def _copy_target(self, c) -> torch.Tensor | None:

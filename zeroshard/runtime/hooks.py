@@ -222,6 +222,7 @@ class Stage3Hooks:
         # unit -> (owner module, name, parameter) it borrowed (see the module docstring)
         self.borrowed: dict[nn.Module, list[tuple[nn.Module, str, nn.Parameter]]] = {}
         self._entry: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(placeholder) -> where it stands in
+        self._ids: dict[nn.Module, set[int]] = {}  # unit -> ids of params_of(unit), made at its first use
         self.on_borrow = on_borrow
         self.on_leaf_backward = on_leaf_backward
         borrow = weak_method(self.borrow)
@@ -284,6 +285,7 @@ class Stage3Hooks:
         if all(q is not p for _, _, q in entries):
             before = list(self.chunks_of(m))
             entries.append((owner, name, p))
+            self._ids.pop(m, None)
             self.owners.setdefault(id(p), []).append(m)
             self.on_borrow(m)
             for c in self.chunks_of(m):  # released with m's own when its forward ends
@@ -340,13 +342,25 @@ class Stage3Hooks:
         # A parameter returned from its unit's forward: once its chunk is released the parameter
         # holds no data, so the caller gets a view of it instead, made before the release, which
         # keeps the gathered storage (and the values) alive for as long as the caller holds it.
-        tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
+        # One tensor returned (most modules) takes the short way: ~70 us less per call.
+        if type(out) is torch.Tensor and id(out) not in self._param_ids(unit):
+            tensors, replaced = [out], None
+        else:
+            tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
         self._end_forward(unit)
         if torch.is_grad_enabled():
             tensors = [t for t in tensors if t.requires_grad]
-            if tensors:
+            if len(tensors) == 1:  # the gradient of the one output: what "any" waits for
+                tensors[0].register_hook(lambda grad, m=unit: self._pre_backward(m))
+            elif tensors:
                 register_multi_grad_hook(tensors, lambda grads, m=unit: self._pre_backward(m), mode="any")
         return replaced
+
+    def _param_ids(self, unit) -> set[int]:
+        ids = self._ids.get(unit)
+        if ids is None:
+            ids = self._ids[unit] = {id(p) for _, p in self.params_of(unit)}
+        return ids
 
     def _end_forward(self, unit) -> None:
         i = len(self.active) - 1 - self.active[::-1].index(unit)

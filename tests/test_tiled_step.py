@@ -1,0 +1,155 @@
+"""The tiled step (optim/tiled_step.py): runs of master pieces stepped as cache-sized tiles train
+bit for bit what the same pieces stepped one by one train, with each parameter's own state, step
+count and param group, for every optimizer it takes; others step piece by piece.
+
+World 1, in process: the tiles are a rank's own business (the parity suites run them at worlds 1-3
+against plain PyTorch). Each case trains once with tiles and once without (ELEMENTWISE emptied),
+and counts the tile steps, so a run where no tile stepped fails."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroshard
+from zeroshard.optim import tiled_step
+
+
+class Odd(nn.Module):
+    """Pieces that join spans (multiples of 64 elements, back to back) and some that cannot (37
+    rows), a parameter in the middle of a span that a step may skip (`side`), and spans larger
+    than the test's tile."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(100, 64)
+        self.up = nn.Linear(64, 128)
+        self.side = nn.Linear(128, 128)
+        self.odd = nn.Linear(128, 37)
+        self.norm = nn.LayerNorm(37)
+        self.head = nn.Linear(37, 1)
+
+    def forward(self, x, use_side=True):
+        h = torch.tanh(self.up(self.embed(x)))
+        if use_side:
+            h = h + 0.1 * self.side(h)
+        return self.head(self.norm(self.odd(h))).pow(2).mean()
+
+
+def groups(model, lr=1e-2, **kw):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1, "lr": lr, **kw}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2, **kw}]
+
+
+OPTIMIZERS = {
+    "adamw_groups": lambda m: torch.optim.AdamW(groups(m)),
+    "adam_amsgrad_maximize": lambda m: torch.optim.Adam(groups(m, amsgrad=True, maximize=True)),
+    "adamw_foreach": lambda m: torch.optim.AdamW(groups(m), foreach=True),
+    "sgd_nesterov": lambda m: torch.optim.SGD(groups(m, momentum=0.9, nesterov=True)),
+    "sgd_dampening": lambda m: torch.optim.SGD(groups(m, momentum=0.9, dampening=0.3)),
+}
+
+
+def data(steps=5):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 100, (steps, 4, 6), generator=g)
+
+
+def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None, steps=5):
+    """Train Odd for `steps` steps; returns (full state dict, optimizer state by parameter name,
+    tile steps taken). `skip_at`: steps whose forward leaves `side` out; `between(engine, step)`
+    runs after each step."""
+    taken = []
+    stepped = tiled_step.Span.stepped
+    monkeypatch.setattr(tiled_step, "ELEMENTWISE", tiled_step.ELEMENTWISE if tiles else ())
+    monkeypatch.setattr(tiled_step, "TILE", 128)  # several tiles per span, cut inside pieces
+    monkeypatch.setattr(tiled_step.Span, "stepped", lambda self: (taken.append(1), stepped(self)))
+    model = Odd()
+    engine = zeroshard.initialize(model, make_opt(model), {"stage": stage, "chunk_size": 1 << 16})
+    for i, x in enumerate(data(steps)):
+        engine.backward(engine(x, use_side=i not in skip_at))
+        engine.step()
+        if between is not None:
+            between(engine, i)
+    names = {id(pc.param): pc.slot.name for c in engine.optim.chunks for pc in c.pieces}  # the pieces' parameters
+    opt = engine.optimizer
+    state = {}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            for k, v in opt.state.get(p, {}).items():
+                state[f"{names[id(p)]}.{k}"] = v.clone() if torch.is_tensor(v) else v
+    return engine.full_state_dict(), state, len(taken)
+
+
+def assert_identical(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if torch.is_tensor(a[k]):
+            assert torch.isfinite(a[k]).all() and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_tiles_train_bit_for_bit_what_pieces_train(monkeypatch, name, stage):
+    make = OPTIMIZERS[name]
+    sd, st, taken = train(make, True, monkeypatch, stage=stage)
+    sd0, st0, taken0 = train(make, False, monkeypatch, stage=stage)
+    assert taken > 0 and taken0 == 0, (taken, taken0)
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+    # each parameter keeps state in its own shape (views of the span's flat state)
+    assert all(v.shape == sd[k.rsplit(".", 1)[0]].shape for k, v in st.items() if torch.is_tensor(v) and v.dim())
+
+
+def test_a_parameter_skipped_at_a_step_keeps_its_own_step_count(monkeypatch):
+    """`side` sits inside a span of one param group: the step that skips it steps the span's other
+    pieces one by one, and from then on their step counts differ from its."""
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+    sd, st, taken = train(make, True, monkeypatch, skip_at=(3,), steps=6)  # steps 1-2 tiled, then a skip
+    sd0, st0, _ = train(make, False, monkeypatch, skip_at=(3,), steps=6)
+    assert taken > 0
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+    assert float(st["side.weight.step"]) == 5 and float(st["up.weight.step"]) == 6, st
+
+
+def test_an_lr_change_and_state_loaded_between_steps_are_followed(monkeypatch):
+    """An LR scheduler's change of a group, and optimizer.load_state_dict of an earlier state
+    (new tensors in every entry): the tiles take both, as the pieces do."""
+    make = OPTIMIZERS["adam_amsgrad_maximize"]
+
+    def between(engine, step):
+        opt = engine.optimizer
+        if step == 1:
+            between.saved = copy.deepcopy(opt.state_dict())
+        if step == 2:
+            opt.param_groups[0]["lr"] *= 0.3
+        if step == 3:
+            opt.load_state_dict(between.saved)
+    sd, st, taken = train(make, True, monkeypatch, between=between, steps=6)
+    sd0, st0, _ = train(make, False, monkeypatch, between=between, steps=6)
+    assert taken > 0
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+
+
+class Scaled(torch.optim.AdamW):
+    """A subclass may step differently (here: not at all past the first step): never tiled."""
+
+    def step(self, closure=None):
+        if not self.state:
+            return super().step(closure)
+
+
+@pytest.mark.parametrize("make", [lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1),
+                                  lambda m: Scaled(m.parameters(), lr=0.1)], ids=["adagrad", "subclass"])
+def test_other_optimizers_step_piece_by_piece(monkeypatch, make):
+    sd, st, taken = train(make, True, monkeypatch)
+    sd0, st0, _ = train(make, False, monkeypatch)
+    assert taken == 0
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
