@@ -160,7 +160,7 @@ class EngineIO:
             self.timeline.stop()
         layout = self.layout
         self.timeline = MemoryTimeline(self.module, lambda: layout.chunks, self.optim, self.cache, self.device,
-                                       self.comm.rank, self.steps, steps)
+                                       self.comm.rank, self.steps, steps, kept=self.reducer.buffers)
         return self.timeline
 
     def model_state_bytes(self) -> tuple[dict[str, int], dict[str, int]]:

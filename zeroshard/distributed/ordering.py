@@ -197,6 +197,7 @@ class Ticket:
     def wait(self) -> bool:
         if not self.issued:
             self.sequencer.progress(until=self)
+            self.sequencer.progress()  # those behind it whose comparison is back go out before the wait
         if self.work is not None:
             check = self.sequencer.check
             wait_for(self.work, lambda: describe_tag(self.tag) + check.where(), check.timeout_s)

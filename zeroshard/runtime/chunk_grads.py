@@ -45,11 +45,12 @@ class ChunkGrads:
         loss scale, underflow)."""
         return self.dtype == self.grad_dtype == torch.float32
 
-    def accumulate_grad(self, slot: Slot, grad: torch.Tensor, scale: float = 1.0) -> None:
-        """Add one parameter's gradient, times `scale`, into its slot of grad_full."""
+    def accumulate_grad(self, slot: Slot, grad: torch.Tensor, scale: float = 1.0, buffers=None) -> None:
+        """Add one parameter's gradient, times `scale`, into its slot of grad_full (made from
+        `buffers`, a BufferPool, when it has to be made)."""
         i = self._slot_index[id(slot)]
         if self.grad_full is None:
-            self.grad_full = self._unzeroed_grad()
+            self.grad_full = self._unzeroed_grad(buffers)
         dst = self.grad_full[slot.offset:slot.offset + slot.numel]
         if self._unwritten is not None and i in self._unwritten:
             # What zeros + scale * grad gives, bit for bit (-0.0 too)
@@ -61,7 +62,7 @@ class ChunkGrads:
             dst.add_(grad.reshape(-1), alpha=scale)
         self.slots_with_grad.add(i)
 
-    def _unzeroed_grad(self) -> torch.Tensor:
+    def _unzeroed_grad(self, buffers=None) -> torch.Tensor:
         """A new grad_full whose slots are all unwritten (see __init__): only its gaps are zeroed."""
         if self._gaps is None:
             self._gaps, end = [], 0
@@ -70,7 +71,8 @@ class ChunkGrads:
                     self._gaps.append((end, s.offset))
                 end = max(end, s.offset + s.numel)
             self._gaps.append((end, self.grad_numel))
-        buf = torch.empty(self.grad_numel, dtype=self.grad_dtype, device=self.device)
+        buf = buffers.take(self.grad_numel, self.grad_dtype, self.device) if buffers is not None else \
+            torch.empty(self.grad_numel, dtype=self.grad_dtype, device=self.device)
         for a, b in self._gaps:
             buf[a:b].zero_()
         self._unwritten = set(range(len(self.slots)))
@@ -116,8 +118,9 @@ class ChunkGrads:
         self.grad_full, self.reduce_work = None, None
         self.grad_state = GradState.ACCUMULATING
 
-    def finish_reduce(self) -> None:
-        """Wait for this backward pass's reductions and fold them into the kept gradient."""
+    def finish_reduce(self, buffers=None) -> None:
+        """Wait for this backward pass's reductions and fold them into the kept gradient. Stages
+        2-3 hand their full gradient buffer, done with, to `buffers` (a BufferPool)."""
         if self.stash is not None and self.grad_state is not GradState.REDUCING:
             # Late gradients have started a new buffer that is not reduced yet: the stashed
             # reduction is folded in with that one's, later in this backward.
@@ -158,6 +161,8 @@ class ChunkGrads:
             self.grad_shard = reduced.clone()
         else:
             self.grad_shard.add_(reduced)
+        if buffers is not None and stashed is None and not self.placement.optimizer_on_host:
+            buffers.give(self.grad_full)  # (a host copy in flight may still read it)
         self.grad_full = None
 
     def _send_grad(self, reduced: torch.Tensor) -> None:

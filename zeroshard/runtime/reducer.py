@@ -22,6 +22,7 @@ import torch
 
 from .chunks import Chunk, GradState
 from .packing import Slot
+from ..distributed.buffers import BufferPool
 from ..distributed.collectives import Comm
 
 MAX_REDUCING = 2  # stages 2-3: chunk reductions in flight during backward, each holding a full-chunk gradient
@@ -41,6 +42,8 @@ class GradientReducer:
         # stages 0-1: gradients accumulated since the last reducing backward pass, not reduced yet
         self.unreduced = False
         self.scale = 1.0  # what a gradient is multiplied by as it arrives in a chunk that scales on arrival
+        # stages 2-3: full-chunk gradient buffers, reused (at most MAX_REDUCING in flight and one filling)
+        self.buffers = BufferPool(keep=MAX_REDUCING + 1) if stage >= 2 else None
 
     def begin(self, chunks: list[Chunk], micro_batch: int, sync: bool = True, scale: float | None = None) -> None:
         """A backward pass of micro-batch `micro_batch` (counted from 0) starts. At stages 0-1 it
@@ -68,7 +71,7 @@ class GradientReducer:
         reduction aside, to be folded in with the late gradients' own."""
         if chunk.grad_state is GradState.REDUCING:
             chunk.stash_reduced()
-        chunk.accumulate_grad(slot, grad, self.scale if chunk.scales_on_arrival else 1.0)
+        chunk.accumulate_grad(slot, grad, self.scale if chunk.scales_on_arrival else 1.0, self.buffers)
         if id(slot.param) not in self._counted_at_leaf_end:
             self._count(chunk, slot)
 
@@ -122,7 +125,7 @@ class GradientReducer:
                 self._start(c)
         for c in chunks:
             if c.trainable:
-                c.finish_reduce()
+                c.finish_reduce(self.buffers)
                 c.end_backward()
 
     def reduce_unreduced(self, chunks: list[Chunk]) -> None:
@@ -158,4 +161,4 @@ class GradientReducer:
             if not done and len(self._in_flight) <= MAX_REDUCING:
                 return
             self._in_flight.popleft()
-            c.finish_reduce()
+            c.finish_reduce(self.buffers)

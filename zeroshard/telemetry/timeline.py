@@ -12,7 +12,8 @@ docs/vocabulary.md):
   full gradient is kept for the whole step, so it is a model state there.
 - rCache: stage-3 chunks gathered in full at that moment (gathering ones included).
 - gradient buffers: full-chunk gradients being accumulated or reduced at stages 2-3, freed once
-  this rank's shard is kept.
+  this rank's shard is kept (on the CPU, a few freed ones are kept for the next backward:
+  distributed/buffers.py; they count here).
 - activations: tensors autograd saved for backward that are not model states, each storage
   counted once, from the moment it is saved until autograd lets go of it (after the backward of the
   operation that saved it). Offloaded activations (offload_activations) count as host bytes. A
@@ -58,11 +59,13 @@ class Sample:
 class MemoryTimeline:
     """Samples of one rank's memory over the steps recorded. Build it with `engine.record_memory`."""
 
-    def __init__(self, module, chunks, optim, cache, device, rank: int, step: int, steps: int | None):
+    def __init__(self, module, chunks, optim, cache, device, rank: int, step: int, steps: int | None, kept=None):
         """`chunks`: a callable giving the chunks now (the layout may re-pack them); `optim`: the
         ShardedOptimizer; `cache`: the ChunkCache; `step`: optimizer steps applied so far (then told
-        by step_done); `steps`: how many to record (None: until stop())."""
+        by step_done); `steps`: how many to record (None: until stop()); `kept`: the BufferPool of
+        gradient buffers kept for reuse, or None."""
         self._chunks, self._optim, self._cache, self._device, self.rank = chunks, optim, cache, device, rank
+        self._kept = kept
         self.samples: list[Sample] = []
         self.first_step = self.step = step
         self.steps = steps
@@ -90,6 +93,7 @@ class MemoryTimeline:
         # Stages 2-3 (at stages 0-1 the full gradient is a model state, counted above).
         grad_buffers = sum(t.numel() * t.element_size() for c in chunks if c.stage >= 2
                            for t in (c.grad_full, (c.stash or (None,))[0]) if t is not None)
+        grad_buffers += self._kept.held_bytes if self._kept is not None else 0
         dev = self._device
         self.samples.append(Sample(
             step=self.step, phase=phase, where=where, time_s=time.perf_counter() - self._t0,
