@@ -153,3 +153,4 @@ def test_other_optimizers_step_piece_by_piece(monkeypatch, make):
     assert taken == 0
     assert_identical(sd, sd0)
     assert_identical(st, st0)
+

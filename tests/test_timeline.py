@@ -118,6 +118,7 @@ def _per_rank(rank, world, out):
             "stats": engine.stats()["model_state_bytes"],
             "cache_peak": tl.peak("cache"), "cache_after_step": s[-1].cache,
             "grad_peak": tl.peak("grad_buffers"), "grad_after_step": s[-1].grad_buffers,
+            "kept_peak": tl.peak("kept_buffers"), "kept_after_step": s[-1].kept_buffers,
             "activations": tl.peak("activations"), "host_activations": tl.peak("host_activations"),
             "grad_total": sum(c.padded_numel * 4 for c in engine.chunks if c.trainable),
             "chunk_max": max(c.padded_numel * 4 for c in engine.chunks),
@@ -146,6 +147,10 @@ def test_stage3_model_states_are_a_nth_of_stage0(world, tmp_path_factory):
         # Constant-size gradient buffers: a few chunks' worth (in flight, filling, the tied embedding's
         # chunk, whose gradient completes last), not the model's whole gradient.
         assert s3["grad_peak"] <= (MAX_REDUCING + 3) * s3["chunk_max"] < s3["grad_total"], s3
+        # Freed buffers kept for the next backward (distributed/buffers.py): a constant, never
+        # more than MAX_REDUCING + 1 of each chunk size (here: the chunks and the smaller last one).
+        assert 0 < s3["kept_after_step"] <= s3["kept_peak"] <= 2 * (MAX_REDUCING + 1) * s3["chunk_max"], s3
+        assert s0["kept_peak"] == 0, s0
         assert s3["activations"] == s0["activations"] > 0  # same model, same batch shape
         assert off["host_states"] == off["states"] == s3["states"]  # everything offloaded lives on the host
         assert off["host_activations"] > 0 and off["activations"] < s3["activations"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-MIN_POOLED = 1 << 20  # bytes: smaller tensors come from malloc's own free lists
+MIN_POOLED = 1 << 16  # bytes: smaller tensors come from malloc's own free lists (and the tests' chunks are pooled)
 
 
 class BufferPool:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import BufferPool
-from .works import AllOf, Then, Timed, staged
+from .works import AllOf, Then, Timed, finish_held, staged
 from .ordering import (OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
                        describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
                        wait_for, waiting)
@@ -101,6 +101,7 @@ def _take_down_groups() -> None:
     atexit handler registered earlier (the user's, Lightning's) runs after it and finds no group."""
     for comm in list(_comms):
         comm.close()
+    finish_held()
     forget_check_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -114,6 +115,16 @@ def _group_timeout(group) -> datetime.timedelta | None:
         return backend.options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+# process group -> the last point-to-point tag used on it (weak: a destroyed group is not kept alive)
+_message_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _next_message_tag(group) -> int:
+    key = group if group is not None else dist.group.WORLD
+    tag = _message_tags[key] = (_message_tags.get(key, 0) + 1) & 0xFFFFFFF
+    return tag
 
 
 class Comm:
@@ -137,7 +148,6 @@ class Comm:
         self.staged = self.gloo and device.type == "cuda"
         self.control_device = torch.device("cpu") if self.staged else device
         self.closed = False  # close() let go of the groups
-        self._p2p_tag = 0  # the last point-to-point all-gather's message tag (_all_gather_p2p)
         self._received = BufferPool(keep=3)  # reduce-scatters' receive buffers (two in flight, one summing)
         _comms.add(self)
 
@@ -169,6 +179,12 @@ class Comm:
         """Issue the tagged collectives whose order check has come back (cheap; hooks call it)."""
         if self.sequencer is not None:
             self.sequencer.progress()
+
+    def issue_handed_over(self) -> None:
+        """Issue the tagged collectives handed over so far, at a point every rank reaches alike
+        (Sequencer.issue_handed_over)."""
+        if self.sequencer is not None:
+            self.sequencer.issue_handed_over()
 
     def agree(self, kind: int) -> None:
         """With order checks on: raise DivergedError on every rank unless every rank is entering
@@ -297,19 +313,19 @@ class Comm:
         and receives theirs straight into `full`. gloo's own all-gather took 1.5-3.5x as long here
         (2 ranks on 2 cores: 13 MB 7.9 vs 5.1 ms, 17 MB 10.6 vs 5.8 ms, 93 MB 98 vs 28 ms; 3 ranks
         13 MB 12.1 vs 7.5 ms). The messages of one all-gather share a tag that every rank counts
-        alike (every rank issues the same all-gathers in the same order), so two in flight never
-        take each other's."""
+        alike, per process group (every rank issues the same all-gathers on it in the same order,
+        whichever engine or Comm issues them), so two in flight never take each other's."""
         s = shard.numel()
-        self._p2p_tag = (self._p2p_tag + 1) & 0xFFFFFFF
+        tag = _next_message_tag(self.group)
         own = full[self.rank * s:(self.rank + 1) * s]
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)
         works = []
         for k in range(1, self.world):
             to, src = (self.rank + k) % self.world, (self.rank - k) % self.world
-            works.append(dist.isend(shard, group=self.group, group_dst=to, tag=self._p2p_tag))
-            works.append(dist.irecv(full[src * s:(src + 1) * s], group=self.group, group_src=src, tag=self._p2p_tag))
-        return AllOf(works)
+            works.append(dist.isend(shard, group=self.group, group_dst=to, tag=tag))
+            works.append(dist.irecv(full[src * s:(src + 1) * s], group=self.group, group_src=src, tag=tag))
+        return AllOf(works, (full, shard))
 
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """In place: this rank's shard of `full` <- the sum over ranks of that shard. Counts len(full).

@@ -197,7 +197,6 @@ class Ticket:
     def wait(self) -> bool:
         if not self.issued:
             self.sequencer.progress(until=self)
-            self.sequencer.progress()  # those behind it whose comparison is back go out before the wait
         if self.work is not None:
             check = self.sequencer.check
             wait_for(self.work, lambda: describe_tag(self.tag) + check.where(), check.timeout_s)
@@ -244,6 +243,15 @@ class Sequencer:
             if ticket is until:
                 return
 
+    def issue_handed_over(self) -> None:
+        """Issue everything handed over so far, waiting for its comparisons (not for the
+        collectives). Called at the same point of the training on every rank, it makes each rank
+        issue the same collectives there; `progress()` issues what is back when it looks, which
+        differs by rank: a prefetched gather issued by one rank and never by another (its engine
+        let go of before a wait) leaves messages that a later gather on the group would take."""
+        if self._queue:
+            self.progress(until=self._queue[-1][-1])
+
     def drain(self) -> None:
         """Issue everything handed over (waiting for its comparisons). An untagged collective
         follows: a phase tag no longer stands for the next one (agree)."""
@@ -277,6 +285,13 @@ _check_groups: dict = {}  # process group -> its check group, shared by the engi
 _retired: list = []
 # The buffers of comparisons started and not finished (id -> buffer). See forget_check_groups.
 _unfinished: dict = {}
+
+
+def hold_unfinished(key: int, obj) -> None:
+    """Never free `obj` (a collective that did not finish, with the tensors it reads and
+    writes): a gloo thread dropping the last reference to them at interpreter exit aborts the
+    process (forget_check_groups)."""
+    _unfinished[key] = obj
 
 
 def _retire_check_groups() -> None:

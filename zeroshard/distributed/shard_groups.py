@@ -169,6 +169,11 @@ class ShardGroups:
         if self.hpz:
             self.secondary.progress()
 
+    def issue_handed_over(self) -> None:
+        self.inside.issue_handed_over()
+        if self.hpz:
+            self.secondary.issue_handed_over()
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, tag=None):
         """A chunk from its shards: inside the shard group."""
         return self.inside.all_gather(full, shard, async_op=async_op, tag=tag)

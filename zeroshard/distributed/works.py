@@ -3,9 +3,11 @@ more than torch's work object (a step after it, a timeout named, several message
 wait() and is_completed(), as torch's works do."""
 from __future__ import annotations
 
+import datetime
+
 import torch
 
-from .ordering import wait_for
+from .ordering import hold_unfinished, wait_for
 
 
 class Then:
@@ -41,18 +43,43 @@ class Timed:
 
 
 class AllOf:
-    """Several works (the messages of one collective) as one."""
+    """Several works (the messages of one collective) as one. Until waited for or seen completed it
+    is held, with `tensors` (what its messages read and write), so a prefetched gather whose
+    engine was let go of is never dropped with its messages in flight; `finish_held` settles the
+    held ones before the process groups go at exit."""
 
-    def __init__(self, works):
-        self.works = works
+    _held: dict[int, "AllOf"] = {}  # id -> one not yet seen completed, pruned as new ones start
+
+    def __init__(self, works, tensors=()):
+        self.works, self.tensors = works, tuple(tensors)
+        for key, held in list(AllOf._held.items()):
+            if held.is_completed():  # done: its works (and through them its group) are let go of
+                held.works = []
+                del AllOf._held[key]
+        AllOf._held[id(self)] = self
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         for w in self.works:
-            w.wait()
+            w.wait() if timeout is None else w.wait(timeout)
+        AllOf._held.pop(id(self), None)
         return True
+
+
+def finish_held(timeout_s: float = 5.0) -> None:
+    """At exit, before the process groups are taken down: wait (a few seconds at most) for the
+    messages still in flight (or done but never waited for: a chunk prefetched for a forward that
+    never came), so no work keeps a group and its threads alive. One that does not
+    finish (its peer is gone) leaves its tensors never freed (ordering.hold_unfinished)."""
+    for held in list(AllOf._held.values()):
+        try:
+            held.wait(datetime.timedelta(seconds=timeout_s))
+            held.works = []  # whatever still holds it (a chunk's gather) no longer holds a group
+        except RuntimeError:
+            hold_unfinished(id(held), held)
+    AllOf._held.clear()
 
 
 def staged(work, host: torch.Tensor, dest: torch.Tensor) -> Then:

@@ -123,7 +123,7 @@ class TiledStep:
     def __init__(self):
         self._spans: dict[int, list[Span]] = {}  # id(chunk) -> its spans
         self._loose: dict[tuple, list[list]] = {}  # (chunks stepped, spans tiled) -> other pieces, per group
-        self._groups_seen: list[tuple[int, int]] = []  # (id, len) of each group's params list at build
+        self._groups_seen: list[tuple] = []  # _groups_key at build
 
     def build(self, opt, chunks) -> None:
         """The spans of `chunks` (the trainable ones the optimizer steps), given the pieces' param
@@ -131,7 +131,7 @@ class TiledStep:
         tensor as a whole), one whose gradients are differentiable, or chunks whose master the disk
         tier swaps in and out."""
         self._spans, self._loose = {}, {}
-        self._groups_seen = [(id(g["params"]), len(g["params"])) for g in opt.param_groups]
+        self._groups_seen = _groups_key(opt)
         if type(opt) not in ELEMENTWISE or any(g.get("differentiable") for g in opt.param_groups):
             return
         group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
@@ -159,8 +159,9 @@ class TiledStep:
         return []
 
     def current(self, opt) -> bool:
-        """The groups still hold the lists build() saw (ParamGroups.assign makes new ones)."""
-        return self._groups_seen == [(id(g["params"]), len(g["params"])) for g in opt.param_groups]
+        """The groups still hold what build() saw (a copy of the lists too: the delayed update
+        steps a view of the optimizer whose groups copy the lists)."""
+        return self._groups_seen == _groups_key(opt)
 
     @contextlib.contextmanager
     def stepping(self, opt, chunks, grad_of):
@@ -222,3 +223,9 @@ class TiledStep:
             for span in tiled:
                 for t in span.tiles:
                     t.grad = None
+
+
+def _groups_key(opt) -> list[tuple[int, int, int]]:
+    """Per group: how many tensors, the first's and the last's id (ParamGroups.assign, after which
+    build() runs, gives the groups new pieces; a user's change of a group shows here)."""
+    return [(len(ps), id(ps[0]), id(ps[-1])) if ps else (0, 0, 0) for ps in (g["params"] for g in opt.param_groups)]

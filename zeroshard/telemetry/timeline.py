@@ -12,8 +12,8 @@ docs/vocabulary.md):
   full gradient is kept for the whole step, so it is a model state there.
 - rCache: stage-3 chunks gathered in full at that moment (gathering ones included).
 - gradient buffers: full-chunk gradients being accumulated or reduced at stages 2-3, freed once
-  this rank's shard is kept (on the CPU, a few freed ones are kept for the next backward:
-  distributed/buffers.py; they count here).
+  this rank's shard is kept. Kept buffers: on the CPU, up to three freed ones of each chunk size
+  are kept for the next backward (distributed/buffers.py).
 - activations: tensors autograd saved for backward that are not model states, each storage
   counted once, from the moment it is saved until autograd lets go of it (after the backward of the
   operation that saved it). Offloaded activations (offload_activations) count as host bytes. A
@@ -51,6 +51,7 @@ class Sample:
     host_states: int
     cache: int
     grad_buffers: int
+    kept_buffers: int      # freed gradient buffers kept for reuse (distributed/buffers.py)
     activations: int       # on the device
     host_activations: int
     allocated: int | None  # torch.cuda.memory_allocated; None off CUDA
@@ -93,12 +94,12 @@ class MemoryTimeline:
         # Stages 2-3 (at stages 0-1 the full gradient is a model state, counted above).
         grad_buffers = sum(t.numel() * t.element_size() for c in chunks if c.stage >= 2
                            for t in (c.grad_full, (c.stash or (None,))[0]) if t is not None)
-        grad_buffers += self._kept.held_bytes if self._kept is not None else 0
         dev = self._device
         self.samples.append(Sample(
             step=self.step, phase=phase, where=where, time_s=time.perf_counter() - self._t0,
             device_states=by_device["device"], host_states=by_device["host"], cache=self._cache.gathered_bytes,
-            grad_buffers=grad_buffers, activations=self._activations[False],
+            grad_buffers=grad_buffers, kept_buffers=self._kept.held_bytes if self._kept is not None else 0,
+            activations=self._activations[False],
             host_activations=self._activations[True],
             allocated=torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None))
 
@@ -164,6 +165,7 @@ _LAYERS = [  # stacked bottom to top: what stays, then what comes and goes
     ("device_states", "model states (device)", "#4c72b0"),
     ("cache", "rCache (gathered chunks)", "#55a868"),
     ("grad_buffers", "gradient buffers", "#c44e52"),
+    ("kept_buffers", "gradient buffers kept for reuse", "#e8a6a8"),
     ("activations", "activations", "#dd8452"),
 ]
 _PHASE_COLOURS = {"forward": "#eaf2fb", "backward": "#fdf0e6", "step": "#eef7ee"}
