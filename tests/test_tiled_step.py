@@ -154,3 +154,20 @@ def test_other_optimizers_step_piece_by_piece(monkeypatch, make):
     assert_identical(sd, sd0)
     assert_identical(st, st0)
 
+
+
+class Replacing(torch.optim.SGD):
+    """Plain SGD that also replaces each parameter's state dict at every step (a new dict, as an
+    optimizer resetting its state does): the optimizer the user built sees its own state."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for g in self.param_groups:
+            for p in g["params"]:
+                self.state[p] = {"steps": self.state.get(p, {}).get("steps", 0) + 1}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_optimizer_replacing_its_state_keeps_what_it_wrote(monkeypatch, stage):
+    sd, st, taken = train(lambda m: Replacing(m.parameters(), lr=0.1), True, monkeypatch, stage=stage)
+    assert taken == 0 and st and all(v == 5 for k, v in st.items() if k.endswith(".steps")), st

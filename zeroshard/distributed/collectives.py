@@ -200,12 +200,14 @@ class Comm:
         if self.sequencer is not None:
             self.sequencer.announce(order_tag(kind, 0, self.pass_index))
 
-    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective"):
+    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective",
+               polled: bool = True):
         """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
         over, its caller having compared a tag for the batch (ordering.PUBLISH). A lost or stopped
-        peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step."""
+        peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step.
+        `polled`: see Sequencer.submit."""
         if self.closed:
             raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
         what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
@@ -218,7 +220,7 @@ class Comm:
         if self.sequencer is None:
             work = collective()
         elif tag is not None:
-            work = self.sequencer.submit(order_tag(*tag, self.pass_index), collective)
+            work = self.sequencer.submit(order_tag(*tag, self.pass_index), collective, polled)
         elif async_op:
             self.sequencer.drain()
             work = collective()
@@ -306,7 +308,8 @@ class Comm:
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
-        return self._issue(tag, collective, async_op, "all-gather a chunk")
+        # A gather may be a prefetch never waited for (its engine let go of): issued alike by every rank
+        return self._issue(tag, collective, async_op, "all-gather a chunk", polled=False)
 
     def _all_gather_p2p(self, full: torch.Tensor, shard: torch.Tensor) -> AllOf:
         """gloo's all-gather as point-to-point messages: each rank sends its shard to every other

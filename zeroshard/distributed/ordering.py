@@ -181,13 +181,14 @@ class OrderCheck:
 class Ticket:
     """A collective handed to the sequencer: `work` once the ranks agreed on its tag and it was issued."""
 
-    __slots__ = ("sequencer", "work", "issued", "tag")
+    __slots__ = ("sequencer", "work", "issued", "tag", "polled")
 
-    def __init__(self, sequencer: "Sequencer", tag: int):
+    def __init__(self, sequencer: "Sequencer", tag: int, polled: bool = True):
         self.sequencer = sequencer
         self.work = None
         self.issued = False
         self.tag = tag
+        self.polled = polled  # progress() may issue it whenever its comparison is back (see submit)
 
     def is_completed(self) -> bool:
         if not self.issued:
@@ -213,14 +214,18 @@ class Sequencer:
         self._announced = False  # a phase tag was handed over last (see the module's docstring)
         self._phase_ticket = None  # ... its entry in the queue
 
-    def submit(self, tag: int, issue):
+    def submit(self, tag: int, issue, polled: bool = True):
         """`issue()` starts a collective and returns its work; it runs once the ranks agree on
-        `tag`. Returns a Ticket (or, inline, the work itself): either has wait()/is_completed()."""
+        `tag`. Returns a Ticket (or, inline, the work itself): either has wait()/is_completed().
+        Not `polled`: issued only where every rank issues it alike (its own wait, or
+        issue_handed_over), never by a progress() that finds its comparison back, and nothing
+        handed over after it goes out before it: a collective that may never be waited for (a
+        prefetched gather) is then issued by every rank or by none."""
         self._announced = False
         if self.inline:
             self.check.agree(tag)
             return issue()
-        ticket = Ticket(self, tag)
+        ticket = Ticket(self, tag, polled)
         self._queue.append((tag, *self.check.start(tag), issue, ticket))
         self.progress()
         return ticket
@@ -231,7 +236,7 @@ class Sequencer:
         issued)."""
         while self._queue:
             tag, buf, work, issue, ticket = self._queue[0]
-            if until is None and not work.is_completed():
+            if until is None and not (ticket.polled and work.is_completed()):
                 return
             self._queue.popleft()
             try:

@@ -112,7 +112,7 @@ class ShardedOptimizer(DelayedUpdate):
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
-        self._tiles.build(self.optimizer, self.chunks if self.tier is None else [])
+        self._build_tiles(self.optimizer)
         if self.tier is not None:  # the masters go to disk now: host memory holds a few at a time from here on
             on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
             self.tier.attach(on_disk)
@@ -142,7 +142,7 @@ class ShardedOptimizer(DelayedUpdate):
         self._views.retain(self.chunks)
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
-        self._tiles.build(self.optimizer, self.chunks if self.tier is None else [])
+        self._build_tiles(self.optimizer)
         for c in thawed:
             if c.tier is not None:
                 c.tier.adopt(c)
@@ -318,10 +318,15 @@ class ShardedOptimizer(DelayedUpdate):
         # count calls); the delayed update's view of it through the class's.
         run = opt.step if opt is self.optimizer else (lambda: type(opt).step(opt))
         if not self._tiles.current(opt):  # the groups were given other lists since (ParamGroups.assign)
-            self._tiles.build(opt, self.chunks if self.tier is None else [])
+            self._build_tiles(opt)
         with self._tiles.stepping(opt, chunks, self._views.bound):
             run()
         return targets
+
+    def _build_tiles(self, opt) -> None:
+        """The spans the tiled step may step (tiled_step.py): none with a disk tier, whose open
+        records move the masters."""
+        self._tiles.build(opt, self.chunks if self.tier is None else [])
 
     def _copy_target(self, c) -> torch.Tensor | None:
         """Where the 16-bit copy of an updated master goes when it can be written on the master's

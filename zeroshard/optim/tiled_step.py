@@ -30,7 +30,6 @@ checkpoint) is noticed and copied in again.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 
 import torch
@@ -128,8 +127,8 @@ class TiledStep:
     def build(self, opt, chunks) -> None:
         """The spans of `chunks` (the trainable ones the optimizer steps), given the pieces' param
         groups in `opt` now. None for an optimizer that is not ELEMENTWISE (its step may read a
-        tensor as a whole), one whose gradients are differentiable, or chunks whose master the disk
-        tier swaps in and out."""
+        tensor as a whole) or whose gradients are differentiable, nor for chunks whose master the
+        disk tier swaps in and out."""
         self._spans, self._loose = {}, {}
         self._groups_seen = _groups_key(opt)
         if type(opt) not in ELEMENTWISE or any(g.get("differentiable") for g in opt.param_groups):
@@ -167,12 +166,12 @@ class TiledStep:
     def stepping(self, opt, chunks, grad_of):
         """Inside: `opt`'s groups hold the tiles of every span of `chunks` whose pieces all got a
         gradient and whose flat state is made (or made now), and every other piece of `chunks`
-        as itself; its state is the tiles' and those pieces'. `grad_of(chunk)`: the fp32 gradient
-        of the chunk's owned range the pieces' .grad view. After a step that did not raise, the
-        pieces' scalars follow the tiles' and state made for single pieces joins the real state.
-        Yields how many spans step as tiles. A step hook the user registered on the optimizer
+        as itself; the tiles' states are in its state beside the pieces' own, for the step only.
+        `grad_of(chunk)`: the fp32 gradient of the chunk's owned range the pieces' .grad view.
+        After a step that did not raise, the pieces' scalars follow the tiles'. With no tile and
+        every piece stepping, nothing changes. A step hook the user registered on the optimizer
         sees the groups as they are inside (tiles among the pieces)."""
-        real = opt.state
+        state = opt.state
         params = [[] for _ in opt.param_groups]
         tiled: list[Span] = []
         for c in chunks:
@@ -180,7 +179,7 @@ class TiledStep:
                 if span.master is not c.master or any(pc.param.grad is None for pc in span.pieces):
                     span.tile_states = None  # its pieces step one by one: their scalars may come apart
                     continue
-                if not (span.flat and span.intact(real)) and not span.flatten(real):
+                if not (span.flat and span.intact(state)) and not span.flatten(state):
                     continue
                 g = grad_of(c)
                 for t, (a, b) in zip(span.tiles, span.bounds):
@@ -196,15 +195,16 @@ class TiledStep:
             in_span = {i for span in tiled for i in span.param_ids}
             loose = self._loose[key] = [[p for p in g["params"] if id(p) in keep and id(p) not in in_span]
                                         for g in opt.param_groups]
-        swapped = collections.defaultdict(dict, {p: real[p] for ps in loose for p in ps if p in real})
-        for span in tiled:
-            swapped.update(zip(span.tiles, span.tile_states))
+        if not tiled and all(len(ls) == len(g["params"]) for ls, g in zip(loose, opt.param_groups)):
+            yield  # every piece steps as itself: the optimizer as the user built it
+            return
         saved = [g["params"] for g in opt.param_groups]
         for g, ps, ls in zip(opt.param_groups, params, loose):
             g["params"] = ps + ls
-        opt.state = swapped
+        for span in tiled:
+            state.update(zip(span.tiles, span.tile_states))
         try:
-            yield len(tiled)
+            yield
         except BaseException:
             for span in tiled:  # the tiles may have stepped part way: make the flat state again
                 span.tile_states = None
@@ -212,16 +212,12 @@ class TiledStep:
         else:
             for span in tiled:
                 span.stepped()
-            for ps in loose:
-                for p in ps:
-                    if p not in real and p in swapped:  # a piece's first step made its state
-                        real[p] = swapped[p]
         finally:
-            opt.state = real
             for g, ps in zip(opt.param_groups, saved):
                 g["params"] = ps
             for span in tiled:
                 for t in span.tiles:
+                    state.pop(t, None)
                     t.grad = None
 
 
