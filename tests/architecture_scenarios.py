@@ -1,0 +1,157 @@
+"""Scenarios of tests/test_architectures.py: architectures transformers builds from tiny configs,
+trained through the engine at every stage and compared with single-process PyTorch on the global
+batch (the mean of the ranks' losses: every rank's batch has as many tokens, so that is the global
+batch's mean loss).
+
+Each architecture brings something GPT-2 does not: an encoder-decoder with shared embeddings
+(T5), a convolutional front end (Whisper), routed experts (Mixtral, DeepSeek-V3 with its latent
+attention and shared experts), sliding-window attention and scaled tied embeddings (Gemma 3), a
+state-space scan (Mamba), parallel residuals (GPT-NeoX), a masked-LM head tied to the embedding
+(BERT), a classification head (RoBERTa), patches (ViT), BatchNorm (ResNet). An architecture the
+installed transformers lacks is recorded as unavailable (test_architectures skips it, naming it).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+import zeroshard
+from distributed import WorldResults, record
+from models import make_sgd, max_diff
+
+VOCAB = 96
+STEPS = 2
+# The engine configurations each architecture trains under: every stage, and stage 3 with chunks
+# small enough that layers are split across chunks, through a 2-chunk rCache (gathers, evictions
+# and prefetches inside a forward; uneven shards at world 3).
+CONFIGS = {"stage0": {"stage": 0}, "stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
+           "stage3_small_chunks": {"stage": 3, "chunk_size": 2048, "cache_chunks": 2}}
+
+
+def _no_dropout(cfg):
+    for key, value in list(vars(cfg).items()):
+        if ("dropout" in key or "drop_path" in key) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
+def _model(class_name: str, config_name: str, **fields):
+    """A builder of transformers' `class_name` from `config_name`(**fields), or None when the
+    installed transformers lacks either."""
+    import transformers
+    cls, config = getattr(transformers, class_name, None), getattr(transformers, config_name, None)
+    if cls is None or config is None:
+        return None
+    return lambda: cls(_no_dropout(config(**fields)))
+
+
+def architectures() -> dict:
+    """name -> (builder or None, kind of batch, generates)."""
+    v, h, ffn = VOCAB, 32, 64
+    decoder = dict(vocab_size=v, hidden_size=h, intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4)
+    return {
+        "bert": (_model("BertForMaskedLM", "BertConfig", **decoder, max_position_embeddings=64), "tokens", False),
+        "roberta": (_model("RobertaForSequenceClassification", "RobertaConfig", **decoder, num_labels=3,
+                           max_position_embeddings=64, pad_token_id=1), "classes", False),
+        "t5": (_model("T5ForConditionalGeneration", "T5Config", vocab_size=v, d_model=h, d_kv=8, d_ff=ffn, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, decoder_start_token_id=0, pad_token_id=0),
+               "seq2seq", True),
+        "whisper": (_model("WhisperForConditionalGeneration", "WhisperConfig", vocab_size=v, num_mel_bins=8, d_model=h,
+                           encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_source_positions=16, max_target_positions=32,
+                           decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           suppress_tokens=None, begin_suppress_tokens=None), "audio", True),
+        "mixtral": (_model("MixtralForCausalLM", "MixtralConfig", **decoder, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, router_aux_loss_coef=0.0), "tokens", True),
+        "deepseek_v3": (_model("DeepseekV3ForCausalLM", "DeepseekV3Config", **{**decoder, "intermediate_size": ffn},
+                               moe_intermediate_size=16, num_key_value_heads=4, n_routed_experts=4,
+                               num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=8,
+                               q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1,
+                               topk_group=1), "tokens", True),
+        "gemma3": (_model("Gemma3ForCausalLM", "Gemma3TextConfig", **decoder, num_key_value_heads=1, head_dim=8,
+                          sliding_window=8), "tokens", True),
+        "mamba": (_model("MambaForCausalLM", "MambaConfig", vocab_size=v, hidden_size=h, state_size=4,
+                         num_hidden_layers=2, expand=2, conv_kernel=4), "tokens", True),
+        "gpt_neox": (_model("GPTNeoXForCausalLM", "GPTNeoXConfig", **decoder), "tokens", True),
+        "vit": (_model("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4, num_channels=3,
+                       hidden_size=h, num_hidden_layers=2, num_attention_heads=4, intermediate_size=ffn,
+                       num_labels=5), "images", False),
+        "resnet": (_model("ResNetForImageClassification", "ResNetConfig", num_channels=3, embedding_size=8,
+                          hidden_sizes=[8, 16], depths=[1, 1], num_labels=5), "images", False),
+    }
+
+
+def batch(kind: str, g: torch.Generator, n: int = 2) -> dict:
+    """One rank's micro-batch of `kind`, keyword arguments of the model's forward."""
+    if kind == "tokens":
+        x = torch.randint(3, VOCAB, (n, 12), generator=g)
+        return {"input_ids": x, "labels": x}
+    if kind == "classes":
+        return {"input_ids": torch.randint(3, VOCAB, (n, 12), generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
+    if kind == "seq2seq":
+        return {"input_ids": torch.randint(3, VOCAB, (n, 10), generator=g),
+                "labels": torch.randint(3, VOCAB, (n, 7), generator=g)}
+    if kind == "audio":
+        return {"input_features": torch.randn(n, 8, 32, generator=g), "labels": torch.randint(3, VOCAB, (n, 7), generator=g)}
+    return {"pixel_values": torch.randn(n, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (n,), generator=g)}
+
+
+def compared(model: torch.nn.Module, state: dict) -> dict:
+    """What is compared with the reference: parameters and buffers, but for BatchNorm's running
+    statistics, which are each rank's own (its batches'), as under FSDP2 (DDP broadcasts rank 0's
+    before every forward)."""
+    running = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+               for b in ("running_mean", "running_var", "num_batches_tracked")}
+    return {k: v for k, v in state.items() if k not in running}
+
+
+def trained_alike(rank: int, world: int, name: str) -> dict:
+    """Per engine configuration, the largest difference from plain PyTorch after STEPS steps of SGD
+    with momentum; for a generative model, also whether greedy generation at stage 3 with small
+    chunks gives the plain model's tokens."""
+    build, kind, generates = architectures()[name]
+    if build is None:
+        return {"unavailable": True}
+    import transformers
+    transformers.logging.set_verbosity_error()
+    g = torch.Generator().manual_seed(1)
+    data = [[batch(kind, g) for _ in range(world)] for _ in range(STEPS)]
+    torch.manual_seed(0)
+    ref = build()
+    initial = copy.deepcopy(ref.state_dict())
+    opt = make_sgd(list(ref.parameters()))
+    for step in data:
+        (sum(ref(**b).loss for b in step) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = compared(ref, ref.state_dict())
+    out = {"unavailable": False, "diff": {}}
+    for label, cfg in CONFIGS.items():
+        model = build()
+        model.load_state_dict(initial)
+        engine = zeroshard.initialize(model, make_sgd, cfg)
+        for step in data:
+            engine.backward(engine(**step[rank]).loss)
+            engine.step()
+        out["diff"][label] = max_diff(compared(ref, engine.full_state_dict()), want)
+    if generates:  # the last engine: stage 3, small chunks
+        prompt = {k: v for k, v in data[0][rank].items() if k != "labels"}
+        ref.eval()
+        engine.eval()
+        with torch.no_grad():
+            plain = ref.generate(**prompt, max_new_tokens=5, do_sample=False)
+            got = engine.module.generate(**prompt, max_new_tokens=5, do_sample=False)
+        out["same_tokens"] = bool(torch.equal(plain, got))
+    return out
+
+
+SCENARIOS = {name: functools.partial(trained_alike, name=name) for name in architectures()}
+
+
+def run(rank, world, out_path):
+    record(rank, out_path, [(name, functools.partial(fn, rank, world)) for name, fn in SCENARIOS.items()])
+
+
+ARCHITECTURES = WorldResults(run, "architectures", worlds=(2, 3))

@@ -1,0 +1,34 @@
+"""Architectures beyond GPT-2 and Llama (tests/architecture_scenarios.py), at worlds 2 and 3 (uneven
+shards): fp32 SGD with momentum within 1e-5 of single-process PyTorch on the global batch, at every
+stage and at stage 3 with layers split across chunks through a 2-chunk rCache; greedy generation
+at that last configuration gives the plain model's tokens."""
+import pytest
+
+pytest.importorskip("transformers")
+
+from architecture_scenarios import ARCHITECTURES, CONFIGS, architectures  # noqa: E402
+from distributed import ok  # noqa: E402
+from models import TOL  # noqa: E402
+
+RESULTS = ARCHITECTURES  # read by the `res` fixture (conftest.py)
+GENERATIVE = [name for name, (_, _, generates) in architectures().items() if generates]
+
+
+def _available(results, name):
+    got = ok(results, name)
+    if got["unavailable"]:
+        pytest.skip(f"the installed transformers has no {name} model")
+    return got
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", list(architectures()))
+def test_an_architecture_trains_as_plain_pytorch(res, name, config):
+    got = _available(res[0], name)
+    assert got["diff"][config] <= TOL["sgd"], (name, config, got["diff"])
+
+
+@pytest.mark.parametrize("name", GENERATIVE)
+def test_generation_at_stage_3_gives_the_plain_models_tokens(res, name):
+    got = _available(res[0], name)
+    assert got["same_tokens"], name
