@@ -1,7 +1,7 @@
 """Architectures beyond GPT-2 and Llama (tests/architecture_scenarios.py), at worlds 2 and 3 (uneven
 shards): fp32 SGD with momentum within 1e-5 of single-process PyTorch on the global batch, at every
-stage and at stage 3 with layers split across chunks through a 2-chunk rCache; greedy generation
-at that last configuration gives the plain model's tokens."""
+stage, with offload="auto", and at stage 3 with layers split across chunks through a 2-chunk
+rCache; greedy generation at that last configuration gives the plain model's tokens."""
 import pytest
 
 pytest.importorskip("transformers")

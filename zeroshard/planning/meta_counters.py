@@ -64,6 +64,21 @@ class LiveBytes(TorchDispatchMode):
         self.collectives += 1
         self.collective_bytes += factors[op] * size * (n - 1) / n
 
+    def _grouped_mm(self, func, a, b, offs=None, bias=None, out_dtype=None):
+        """torch._grouped_mm, a fused mixture of experts' matmuls (transformers' default), with its
+        flops, which torch's formulas lack: 2 x each output element x the length of the sum behind
+        it, that sum split among the groups where both operands are 2-D (the weights' gradient).
+        Its meta kernel accepts bf16 only, where the CPU kernel computes fp32 too: on meta, an fp32
+        profile shapes the output from bf16 stand-ins."""
+        if a.device.type == "meta" and a.dtype != torch.bfloat16:
+            bf16 = [t.to(torch.bfloat16) if t is not None and t.is_floating_point() else t for t in (a, b, bias)]
+            out = func(bf16[0], bf16[1], offs, bf16[2], torch.bfloat16).to(out_dtype or a.dtype)
+        else:
+            out = func(a, b, offs, bias, out_dtype)
+        per_group = out.numel() // out.shape[0] if a.dim() == 2 and b.dim() == 2 else out.numel()
+        self.flops += 2 * per_group * a.shape[-1]
+        return out
+
     def _free(self, key: int) -> None:
         self.current -= self.live.pop(key, 0)
 
@@ -73,7 +88,10 @@ class LiveBytes(TorchDispatchMode):
             # Only a meta tensor lacks a value: a real one (`torch.rand([]) < p`, as in LayerDrop) is read
             # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
             return self._assumed_value(args[0])
-        out = func(*args, **kwargs)
+        if func is torch.ops.aten._grouped_mm.default:
+            out = self._grouped_mm(func, *args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
         if func.namespace == "_c10d_functional":
             self._count_collective(func._overloadpacket, args)
         count = flop_registry.get(func._overloadpacket)
