@@ -151,7 +151,54 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
     return out
 
 
+def lora_on_fused_experts(rank: int, world: int) -> dict:
+    """peft's LoRA with target_modules="all-linear" on a tiny Mixtral: peft wraps the router and
+    the fused experts' parameters (ParamWrapper), whose forward swaps the wrapped parameter through
+    torch's parametrize and multiplies the adapters' weights outside their own forwards. At stage 3
+    that raised ShardedParameterError (a placeholder's set_ to itself; with activation
+    checkpointing, adapters read in the recomputation), and offload="auto" could not profile it
+    (torch.autocast named for the meta device). Per configuration, the largest difference from
+    the same peft model trained in plain PyTorch."""
+    try:
+        import peft
+    except ImportError:
+        return {"unavailable": True}
+    base, _, _ = architectures()["mixtral"]
+    if base is None:
+        return {"unavailable": True}
+
+    def build():
+        torch.manual_seed(0)
+        return peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           lora_dropout=0.0))
+    g = torch.Generator().manual_seed(1)
+    data = [[batch("tokens", g) for _ in range(world)] for _ in range(STEPS)]
+    ref = build()
+    initial = copy.deepcopy(ref.state_dict())
+    opt = make_sgd([p for p in ref.parameters() if p.requires_grad])
+    for step in data:
+        (sum(ref(**b).loss for b in step) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = {"unavailable": False, "diff": {}}
+    for label, cfg, checkpointing in (("stage3_small_chunks", CONFIGS["stage3_small_chunks"], False),
+                                      ("stage3_checkpointing", {"stage": 3}, True),
+                                      ("auto", CONFIGS["auto"], False)):
+        model = build()
+        model.load_state_dict(initial)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        planned = {"example_inputs": data[0][rank]} if cfg.get("offload") == "auto" else {}
+        engine = zeroshard.initialize(model, make_sgd, cfg, **planned)
+        for step in data:
+            engine.backward(engine(**step[rank]).loss)
+            engine.step()
+        out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
+    return out
+
+
 SCENARIOS = {name: functools.partial(trained_alike, name=name) for name in architectures()}
+SCENARIOS["mixtral_lora"] = lora_on_fused_experts
 
 
 def run(rank, world, out_path):

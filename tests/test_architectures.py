@@ -32,3 +32,9 @@ def test_an_architecture_trains_as_plain_pytorch(res, name, config):
 def test_generation_at_stage_3_gives_the_plain_models_tokens(res, name):
     got = _available(res[0], name)
     assert got["same_tokens"], name
+
+
+@pytest.mark.parametrize("config", ["stage3_small_chunks", "stage3_checkpointing", "auto"])
+def test_lora_on_a_fused_expert_moe_trains_as_plain_pytorch(res, config):
+    got = _available(res[0], "mixtral_lora")
+    assert got["diff"][config] <= TOL["sgd"], (config, got["diff"])

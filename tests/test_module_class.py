@@ -235,3 +235,50 @@ def test_gpt2_stage3_generate_passes_synced_gpus(monkeypatch):
     assert sync_generation(model, on=False) == [""]
     assert generate() is None
     assert not seen and engine.stage == 3
+
+
+class Reparametrized(torch.nn.Module):
+    """A forward that parametrizes its child's weight for the call and removes it after, as peft's
+    LoRA of a parameter (around a fused MoE's router and experts) does at every forward: torch's
+    parametrize moves the parameter into a ParametrizationList (after setting it to itself) and
+    swaps the child's class, and back."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = torch.nn.Linear(4, 4)
+        self.delta = torch.nn.Parameter(torch.full((4, 4), 0.1))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        class Plus(torch.nn.Module):
+            def forward(_, w):
+                return w + self.delta
+        torch.nn.utils.parametrize.register_parametrization(self.base, "weight", Plus())
+        try:
+            with torch.nn.utils.parametrize.cached():
+                h = self.base(x)
+        finally:
+            torch.nn.utils.parametrize.remove_parametrizations(self.base, "weight", leave_parametrized=False)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_parametrized_inside_a_forward_trains_as_in_torch(stage):
+    """Stage 3 raised ShardedParameterError: the placeholder's set_ to itself reached its dispatch
+    guard (set_ skips __torch_function__), and, not being a Parameter, it came back a buffer."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    ref = Reparametrized()
+    opt = sgd(ref.parameters())
+    for _ in range(2):
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    engine = wrap(Reparametrized(), stage)
+    for _ in range(2):
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    got = engine.full_state_dict()
+    assert sorted(got) == sorted(ref.state_dict())
+    assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6
+    assert [n for n, _ in engine.module.named_parameters()] == [n for n, _ in ref.named_parameters()]

@@ -110,7 +110,8 @@ class Config:
     leaf_modules: the modules stage 3 gathers as one unit with their whole subtree (units.py): a
         list of class names ('SwitchTransformersSparseMLP') and qualified module names
         ('encoder.block.1.layer.1.mlp'), and 'auto' for the mixture-of-experts blocks found in the
-        model (a ModuleList/ModuleDict of same-shaped experts beside a router); 'auto' alone is the
+        model (a ModuleList/ModuleDict of same-shaped experts beside a router) and peft's adapters
+        of a parameter (LoRA around a fused MoE's router and experts); 'auto' alone is the
         default, [] none. A mixture of experts with one module per expert needs its blocks to be
         leaves at stage 3: each rank runs only the experts its tokens were routed to, and
         gathering per expert would make ranks gather different chunks (DivergedError).

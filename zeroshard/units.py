@@ -13,7 +13,11 @@ every rank alike. Config `leaf_modules` names them (class names or qualified mod
 "auto" adds the common mixture-of-experts pattern: a module with a ModuleList or ModuleDict of two or
 more experts (submodules of one class with the same parameter shapes) beside a router (a 2-D
 parameter, not an embedding, with one row per expert). Fused-expert MoEs (one tensor for all
-experts: Mixtral, Qwen2-MoE and OLMoE in transformers) need no leaf.
+experts: Mixtral, Qwen2-MoE and OLMoE in transformers) need no leaf. "auto" also makes a leaf of
+each of peft's parameter adapters (`ParamWrapper`, what LoRA's "all-linear" puts around a fused MoE's
+router and experts): its forward multiplies its adapters' weights outside their own forwards and
+swaps the wrapped module's parameter through torch's parametrize, which an activation
+checkpoint's recomputation runs again with no enclosing forward to lend the parameters.
 """
 from __future__ import annotations
 
@@ -38,6 +42,12 @@ def expert_blocks(model: nn.Module) -> list[nn.Module]:
                 found.append(m)
                 break
     return _outermost(found)
+
+
+def parameter_adapters(model: nn.Module) -> list[nn.Module]:
+    """peft's adapters of a parameter (module docstring), by class name and package: zeroshard
+    does not import peft."""
+    return [m for m in model.modules() if type(m).__name__ == "ParamWrapper" and type(m).__module__.startswith("peft.")]
 
 
 def _experts(container: nn.Module) -> bool:
@@ -71,7 +81,7 @@ def leaf_modules(model: nn.Module, spec) -> list[nn.Module]:
     found, unmatched = [], []
     for name in names:
         if name == "auto":
-            hits = expert_blocks(model)
+            hits = expert_blocks(model) + parameter_adapters(model)
         elif name in by_name and name:
             hits = [by_name[name]]
         else:

@@ -1,8 +1,9 @@
 """What the profiler counts while one training step runs on the meta device: every storage an
 operator creates until it is freed, with the peak of their sum, matmul flops and the model's own
 collectives (`LiveBytes`, a dispatch mode); the distinct storages autograd saves for backward
-(`SavedBytes`, saved-tensor hooks); and attention's kernel chosen as on the target device
-(`AttentionAsOnDevice`). profiler.py runs the step and reads them.
+(`SavedBytes`, saved-tensor hooks); attention's kernel chosen as on the target device
+(`AttentionAsOnDevice`), and autocast named for the meta device made for it (`AutocastOnMeta`).
+profiler.py runs the step and reads them.
 """
 from __future__ import annotations
 
@@ -197,3 +198,27 @@ class AttentionAsOnDevice:
             return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
                                                                 dropout_p, is_causal, scale=scale)[0]
         return None  # math: the meta decomposition is that kernel
+
+
+class AutocastOnMeta:
+    """torch.autocast(device_type="meta") raises (autocast knows no meta device), which code naming
+    the device of its tensors meets on the meta device: peft's LoRA of a parameter turns autocast
+    off around its adapters' product with torch.autocast(W.device.type, enabled=False). For the
+    duration of the profile, torch.autocast named for meta is made for the device that will train."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.original = None
+
+    def __enter__(self):
+        self.original = original = torch.autocast
+        target = self.device.type
+
+        class autocast(original):
+            def __init__(self, device_type, *args, **kwargs):
+                super().__init__(target if device_type == "meta" else device_type, *args, **kwargs)
+        torch.autocast = autocast
+        return self
+
+    def __exit__(self, *exc):
+        torch.autocast = self.original

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..distributed.tensor_parallel import as_dtensor, local, local_shape
-from .meta_counters import AttentionAsOnDevice, LiveBytes, SavedBytes
+from .meta_counters import AttentionAsOnDevice, AutocastOnMeta, LiveBytes, SavedBytes
 from ..units import BackwardHolds, direct_params, leaf_modules, unit_members
 
 log = logging.getLogger("zeroshard")
@@ -289,7 +289,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         entries[n] = new
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), live, \
-                AttentionAsOnDevice(torch.device(device)):
+                AttentionAsOnDevice(torch.device(device)), AutocastOnMeta(torch.device(device)):
             out = model(*args, **kwargs)
             loss = (loss_fn or default_loss)(out)
             del out

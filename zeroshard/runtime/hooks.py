@@ -72,6 +72,10 @@ class ShardedPlaceholder(torch.Tensor):
         t._zs_absorb_copies = False  # inside model.load_state_dict: the value went to the shard already
         t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, if a forward may read it
         t._zs_param = None  # the real parameter it stands in for
+        # isinstance(t, nn.Parameter), as the entry it occupies: code that moves a parameter from
+        # one entry to another (torch's parametrize, around peft's LoRA of an MoE's experts) keeps
+        # it a parameter, not a buffer
+        t._is_param = True
         return t
 
     @classmethod
@@ -111,6 +115,11 @@ class ShardedPlaceholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # set_ skips __torch_function__; setting a parameter to itself is how torch's
+        # register_parametrization keeps the original in place (peft's LoRA on MoE routers does so
+        # at every forward): nothing changes
+        if func is torch.ops.aten.set_.source_Tensor and len(args) == 2 and args[1] is args[0]:
+            return args[0]
         raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
 
 
