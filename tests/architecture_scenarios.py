@@ -197,8 +197,53 @@ def lora_on_fused_experts(rank: int, world: int) -> dict:
     return out
 
 
+def lora_frozen_base(rank: int, world: int) -> dict:
+    """peft's LoRA on a dense decoder (GPT-NeoX) at stage 3 with small chunks through a 3-chunk rCache,
+    against the same peft model in plain PyTorch; the rCache's overflows and peak. A unit none of
+    whose parameters trains (the base) was held from its backward's start to the backward's end:
+    the whole base gathered at once by then (an 8-layer model: 12 of 12 chunks, 216 overflows of a
+    3-chunk cache). With activation checkpointing, the same engine raised CheckpointError (a frozen
+    weight autograd saved as itself was released, shape [0], before its backward)."""
+    try:
+        import peft
+    except ImportError:
+        return {"unavailable": True}
+    base, _, _ = architectures()["gpt_neox"]
+
+    def build(checkpointing):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                            lora_dropout=0.0))
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    g = torch.Generator().manual_seed(1)
+    data = [[batch("tokens", g) for _ in range(world)] for _ in range(STEPS)]
+    ref = build(False)
+    initial = copy.deepcopy(ref.state_dict())
+    opt = make_sgd([p for p in ref.parameters() if p.requires_grad])
+    for step in data:
+        (sum(ref(**b).loss for b in step) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out = {"unavailable": False, "diff": {}, "overflows": {}, "peak_chunks": {}}
+    for label, checkpointing in (("plain", False), ("checkpointing", True)):
+        model = build(checkpointing)
+        model.load_state_dict(initial)
+        engine = zeroshard.initialize(model, make_sgd, {"stage": 3, "chunk_size": 1024, "cache_chunks": 3})
+        for step in data:
+            engine.backward(engine(**step[rank]).loss)
+            engine.step()
+        out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
+        out["overflows"][label] = engine.stats()["cache_overflows"]
+        out["peak_chunks"][label] = engine.stats()["cache_peak_chunks"]
+        out["chunks"] = len(engine.chunks)
+    return out
+
+
 SCENARIOS = {name: functools.partial(trained_alike, name=name) for name in architectures()}
 SCENARIOS["mixtral_lora"] = lora_on_fused_experts
+SCENARIOS["lora_frozen_base"] = lora_frozen_base
 
 
 def run(rank, world, out_path):

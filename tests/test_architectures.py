@@ -38,3 +38,11 @@ def test_generation_at_stage_3_gives_the_plain_models_tokens(res, name):
 def test_lora_on_a_fused_expert_moe_trains_as_plain_pytorch(res, config):
     got = _available(res[0], "mixtral_lora")
     assert got["diff"][config] <= TOL["sgd"], (config, got["diff"])
+
+
+@pytest.mark.parametrize("config", ["plain", "checkpointing"])
+def test_lora_at_stage_3_keeps_the_frozen_base_within_the_rcache(res, config):
+    got = _available(res[0], "lora_frozen_base")
+    assert got["diff"][config] <= TOL["sgd"], got
+    if config == "plain":  # with checkpointing, a layer's recomputed units are held until their backward
+        assert got["overflows"][config] == 0 and got["peak_chunks"][config] <= 3, got

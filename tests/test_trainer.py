@@ -35,6 +35,10 @@ def test_the_trainer_trains_what_a_plain_zeroshard_loop_trains(runs, stage):
     assert runs[f"stage{stage}"]["state_vs_plain"] <= ADAMW_TOL
 
 
+def test_offload_auto_plans_from_the_training_set(runs):
+    assert runs["auto"]["state_vs_plain"] <= ADAMW_TOL
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_trainer_reduces_once_per_optimizer_step_where_the_stage_allows(runs, stage):
     """Issue 29, defect 4: the Trainer's micro-batches but the last run under accelerate's no_sync,

@@ -135,11 +135,12 @@ def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, l
 
 
 class BackwardHolds:
-    """Stage 3's holds in backward: from a unit's pre-backward until every trainable parameter of it
-    has its gradient, its chunks stay gathered (a leaf's until the gradient reaches its inputs, one
-    with no trainable parameter until the backward ends: both begin with `waiting_for=None` or an
-    empty set and end by `end`/`end_all`). runtime/hooks.py gathers and releases by it; the
-    profiler predicts the same schedule with it."""
+    """Stage 3's holds in backward: from a unit's pre-backward (or the end of its recomputation by
+    activation checkpointing) until every trainable parameter of it has its gradient, its chunks stay
+    gathered (a leaf's, and one's with no trainable parameter, until the gradient reaches its inputs,
+    or the backward ends where none does: both begin with `waiting_for=None` or an empty set and end
+    by `end`/`end_all`). runtime/hooks.py gathers and releases by it; the profiler predicts the same
+    schedule with it."""
 
     def __init__(self, owners: dict):
         self.owners = owners  # a parameter's key -> the units that hold it (the caller keeps it current)

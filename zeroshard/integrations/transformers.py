@@ -96,13 +96,36 @@ class ZeroShardTrainer(transformers.Trainer):
                          for p in m.parameters(recurse=False)}
             self._non_embedding_params = sum(p.numel() for p in self.model.parameters() if id(p) not in embedding)
             self.engine = zeroshard.initialize(self.model, optimizer, cfg, device=self.args.device,
-                                               weights=self.zeroshard_weights)
+                                               weights=self.zeroshard_weights,
+                                               example_inputs=self._example_inputs() if cfg.planned else None)
             self.optimizer = EngineOptimizer(self.engine)
             accelerate_optimizers = getattr(self.accelerator, "_optimizers", None)
             if isinstance(accelerate_optimizers, list):  # so a skipped step does not step the scheduler
                 accelerate_optimizers.append(self.optimizer)
             self.model_wrapped = self.engine
         return self.engine
+
+    def _example_inputs(self):
+        """One micro-batch as the model is called, for offload or stage 'auto' to profile (only its
+        shapes and dtypes are used): the training set's first per_device_train_batch_size examples
+        through the Trainer's collator, in order, the RNG left as it was (a collator may mask at
+        random). None without a dataset: initialize then says what it needs."""
+        dataset = self.train_dataset if self.train_dataset is not None else self.eval_dataset
+        if dataset is None or isinstance(dataset, dict):
+            return None
+        collator = self.data_collator
+        if transformers.utils.is_datasets_available():
+            import datasets
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+                return self._first_batch(dataset, collator)
+        return self._first_batch(dataset, self._get_collator_with_removed_columns(collator, description="training"))
+
+    def _first_batch(self, dataset, collator):
+        loader = torch.utils.data.DataLoader(dataset, batch_size=self.args.per_device_train_batch_size,
+                                             collate_fn=collator)
+        with torch.random.fork_rng(devices=[]):
+            return next(iter(loader), None)
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.zeroshard_engine()

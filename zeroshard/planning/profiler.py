@@ -231,6 +231,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     first_seen: dict[int, None] = {}
     owners: dict[int, list[str]] = {}  # parameter index -> modules holding it in backward
     held = BackwardHolds(owners)  # as stage 3 holds (runtime/hooks.py), by module name
+    ends: set[int] = set()  # trace positions where a unit's backward began (checkpoint regions end there)
     state = {"backward": False}
     units = unit_members(model, leaf_modules(model, "auto") if leaves is None else list(leaves))
     direct = {m: mname for mname, m in model.named_modules() if units.get(m)}  # units with parameters
@@ -248,17 +249,22 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
             for i in ps:
                 first_seen.setdefault(i, None)
 
-    def pre_backward(mname, ps):
+    def pre_backward(mname, ps, event=True):
         state["backward"] = True
+        if event:  # a unit's backward begins here, held or not: no recomputation runs across it
+            ends.add(len(trace))
         if not held.begin(mname, {i for i in ps if infos[i].requires_grad}):
             return
         for i in ps:
             owners.setdefault(i, [])
             if mname not in owners[i]:
                 owners[i].append(mname)
-        trace.append(Event("backward", mname, ps))
+        if event:  # not a hold begun as its recomputation ended (its chunks in hand: runtime/hooks.py)
+            trace.append(Event("backward", mname, ps))
 
     def post_forward(m, _args, out):
+        if torch.is_grad_enabled() and state["backward"]:  # a recomputation, held from here (hooks.py)
+            pre_backward(direct[m], module_params(m), event=False)
         if torch.is_grad_enabled():
             ts = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if ts:
@@ -307,15 +313,15 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     first_use = list(first_seen) + [i for i in range(len(infos)) if i not in first_seen]
     regions = []
     run: list[Event] = []
-    for ev in trace + [Event("end", "", ())]:
-        if ev.phase == "recompute":
+    for k, ev in enumerate(trace + [Event("end", "", ())]):
+        if ev.phase == "recompute" and not (run and k in ends):
             run.append(ev)
             continue
         if run:
             ps = tuple(dict.fromkeys(i for e in run for i in e.params))
             regions.append(CheckpointRegion(tuple(e.module for e in run), ps,
                                             sum(infos[i].numel for i in ps) * _itemsize(dtype)))
-            run = []
+            run = [ev] if ev.phase == "recompute" else []
     return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
                    saved_bytes=saved.peak, peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
                    flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,

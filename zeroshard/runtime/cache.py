@@ -120,6 +120,12 @@ class ChunkCache:
         self.comm.issue_handed_over()
         self._maybe_prefetch()
 
+    def pin(self, chunk: Chunk) -> None:
+        """Pin a chunk held now (gathered and pinned) once more, not counted as a use: a hold that
+        begins while the chunk is in hand (hooks.py, after a recomputation)."""
+        invariant(self.pins.get(chunk.index, 0) > 0, lambda: f"rCache pin of chunk {chunk.index}, not in use")
+        self.pins[chunk.index] += 1
+
     def release(self, chunk: Chunk) -> None:
         """Unpin; the chunk stays cached until evicted or flushed. With a cache_chunks of one use per
         chunk (the minimum), a fully unpinned cache over cache_chunks frees at once."""

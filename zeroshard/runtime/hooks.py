@@ -266,10 +266,7 @@ class Stage3Hooks:
         self.in_backward = False
         self._handles = []
         for m in self.units:
-            if m in self.leaves:
-                self._handles.append(m.register_forward_pre_hook(self._pre_forward_leaf, with_kwargs=True))
-            else:
-                self._handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward_unit, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_forward))
 
     def is_unit(self, module: nn.Module) -> bool:
@@ -333,6 +330,16 @@ class Stage3Hooks:
         self._swap_borrowed(unit, True)
         self.active.append(unit)
 
+    def _pre_forward_unit(self, unit, args, kwargs):
+        """A leaf, or a unit none of whose parameters trains (a LoRA model's base): its backward
+        hold ends when the gradient reaches its inputs. Without that end, a frozen unit, which no
+        gradient of its own ends, held its chunks until the backward was over: all of a LoRA
+        model's base gathered at once by the end of it."""
+        if unit in self.leaves or not any(p.requires_grad for _, p in self.params_of(unit)):
+            return self._pre_forward_leaf(unit, args, kwargs)
+        self._pre_forward(unit, args)
+        return None
+
     def _pre_forward_leaf(self, unit, args, kwargs):
         self._pre_forward(unit, args)
         if not torch.is_grad_enabled():
@@ -356,6 +363,13 @@ class Stage3Hooks:
             tensors, replaced = [out], None
         else:
             tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
+        if self.in_backward and torch.is_grad_enabled() and self._begin_hold(unit):
+            # An activation checkpoint's recomputation: its backward comes next. Held from here, the
+            # chunks stay gathered until then: a frozen parameter autograd saved as itself (not as a
+            # view) keeps its values and shape, and the backward gathers nothing a second time. Pinned
+            # in hand, not used again: the schedule (and the profile's) sees the recomputation alone.
+            for c in self.chunks_of(unit):
+                self.cache.pin(c)
         self._end_forward(unit)
         if torch.is_grad_enabled():
             tensors = [t for t in tensors if t.requires_grad]
@@ -386,19 +400,23 @@ class Stage3Hooks:
 
     def _pre_backward(self, unit) -> None:
         self.in_backward = True
-        # A unit with no trainable parameter keeps its hold until the end of backward.
-        if not self.held.begin(unit, None if unit in self.leaves else
-                               {id(p) for _, p in self.params_of(unit) if p.requires_grad}):
-            return
-        for c in self.chunks_of(unit):
-            self.cache.acquire(c)
+        if self._begin_hold(unit):
+            for c in self.chunks_of(unit):
+                self.cache.acquire(c)
+
+    def _begin_hold(self, unit) -> bool:
+        """Hold `unit` in backward (False: held already) until its trainable parameters' gradients
+        arrived, or, a leaf or a frozen unit, the gradient reached its inputs (_pre_forward_unit)."""
+        return self.held.begin(unit, None if unit in self.leaves else
+                               {id(p) for _, p in self.params_of(unit) if p.requires_grad})
 
     def grad_arrived(self, param: nn.Parameter) -> None:
         for m in self.held.arrived(id(param)):
             self._release_held(m)
 
     def _end_leaf_backward(self, unit) -> None:
-        self.on_leaf_backward([p for _, p in self.params_of(unit)])
+        if unit in self.leaves:  # its parameters count as arrived (a frozen unit's are not counted)
+            self.on_leaf_backward([p for _, p in self.params_of(unit)])
         if self.held.end(unit):
             self._release_held(unit)
 
