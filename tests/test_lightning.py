@@ -42,6 +42,12 @@ def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
     assert runs[name]["vs_plain"] <= ADAMW_TOL
 
 
+def test_offload_auto_profiles_forward_on_the_modules_example_input_array(runs):
+    """It raised ValueError: the strategy gave initialize no example_inputs."""
+    assert runs["auto"]["global_step"] == STEPS
+    assert runs["auto"]["vs_plain"] <= ADAMW_TOL
+
+
 def test_a_compiled_module_compiles_each_block_and_trains_the_same_model(runs):
     """torch.compile(module) handed to fit: the strategy compiles each GPT2Block's forward with its
     dynamo context (not the module's training_step, whose graph would hold the engine's hooks), and

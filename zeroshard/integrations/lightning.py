@@ -22,6 +22,7 @@ What comes from Lightning, as it does without zeroshard:
   dynamic loss scaling for fp16; no autocast); Lightning's default "32-true" leaves the config's;
 - a config field that contradicts the Lightning Trainer (precision, clip_grad_norm against
   gradient_clip_val, gradient_accumulation_steps against accumulate_grad_batches) raises ValueError;
+- offload or stage 'auto' profiles the module's forward on its `example_input_array`;
 - a module passed through `torch.compile` is compiled as config `compile` compiles (each layer
   block's forward, with torch.compile's context of the call), not its training_step and forward
   whole, whose graphs would hold the engine's hooks;
@@ -127,10 +128,24 @@ class ZeroShardStrategy(DDPStrategy):
                 from lightning.pytorch.utilities.compile import to_uncompiled
                 to_uncompiled(self.lightning_module)
                 cfg = dataclasses.replace(cfg, compile=cfg.compile or True)
-            self.engine = zeroshard.initialize(self.lightning_module, optimizer, cfg, device=self.root_device)
+            self.engine = zeroshard.initialize(self.lightning_module, optimizer, cfg, device=self.root_device,
+                                               example_inputs=self._example_inputs(cfg))
             if compiled is not None:
                 self.engine.compile_with(compiled["dynamo_ctx"])
             self.optimizers = [EngineOptimizer(self.engine)] if optimizer is not None else []
+
+    def _example_inputs(self, cfg: Config):
+        """offload or stage 'auto' profiles the module's forward: on the LightningModule's own
+        `example_input_array` (a tuple: positional arguments, a dict: keyword arguments, else the
+        one argument, as Lightning passes it)."""
+        if not cfg.planned:
+            return None
+        example = getattr(self.lightning_module, "example_input_array", None)
+        if example is None:
+            raise ValueError("zeroshard: offload/stage 'auto' profiles the LightningModule's forward before "
+                             "training: set its example_input_array (one micro-batch as forward takes it, e.g. "
+                             "{'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
+        return example
 
     def model_to_device(self) -> None:
         """The engine places the model."""
