@@ -282,3 +282,48 @@ def test_a_parameter_parametrized_inside_a_forward_trains_as_in_torch(stage):
     assert sorted(got) == sorted(ref.state_dict())
     assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6
     assert [n for n, _ in engine.module.named_parameters()] == [n for n, _ in ref.named_parameters()]
+
+
+class Scaled(torch.nn.Module):
+    """A layer whose scales live in a ParameterDict, read by the layer's own forward (peft's IA3,
+    and LoRA's embedding adapters, keep theirs so): a ParameterDict has no forward of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scales = torch.nn.ParameterDict({"a": torch.nn.Parameter(torch.linspace(0.5, 1.5, 4))})
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scales["a"]
+
+
+class CheckpointedScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Scaled() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameter_dict_read_by_its_parents_forward_under_checkpointing(stage):
+    """Stage 3 raised ShardedParameterError in the recomputation: the dict's parameters were lent
+    to whichever forward ran, and none runs there. They now belong to their parent's unit."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    ref = CheckpointedScaled()
+    opt = sgd(ref.parameters())
+    for _ in range(2):
+        ref(x).backward()
+        opt.step()
+        opt.zero_grad()
+    engine = zeroshard.initialize(CheckpointedScaled(), sgd, {"stage": stage, "chunk_size": 64, "cache_chunks": 2}
+                                  if stage == 3 else {"stage": stage})
+    for _ in range(2):
+        engine.backward(engine(x))
+        engine.step()
+    got = engine.full_state_dict()
+    assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6

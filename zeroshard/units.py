@@ -117,8 +117,11 @@ def with_blocks(model: nn.Module, leaves: list[nn.Module]) -> list[nn.Module]:
 
 def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
     """Each unit, with the modules whose own parameters it gathers (itself, or a leaf's whole
-    subtree), in module order. The root is a unit even without parameters: a parameter read in its
-    forward outside the module that holds it is borrowed by it (hooks.Stage3Hooks.borrow)."""
+    subtree), in module order. A ParameterList or ParameterDict has no forward: its parameters are
+    read by its parent's, so they join the parent's unit (peft's IA3 and embedding adapters keep
+    theirs so; lent to whichever forward ran, they had none to be lent to in a recomputation). The
+    root is a unit even without parameters: a parameter read in its forward outside the module that
+    holds it is borrowed by it (hooks.Stage3Hooks.borrow)."""
     leaf_ids = {id(m) for m in leaves}
     units: dict[nn.Module, list[nn.Module]] = {}
     skip: set[int] = set()
@@ -129,9 +132,15 @@ def unit_members(model: nn.Module, leaves: list[nn.Module]) -> dict[nn.Module, l
             members = [d for d in m.modules() if direct_params(d)]
             skip |= {id(d) for d in m.modules()}
             units[m] = members
-        elif direct_params(m) or m is model:
-            units[m] = [m] if direct_params(m) else []
+            continue
+        held = [c for c in m.children() if isinstance(c, _CONTAINERS) and direct_params(c) and id(c) not in leaf_ids]
+        skip |= {id(c) for c in held}
+        if direct_params(m) or held or m is model:
+            units[m] = ([m] if direct_params(m) else []) + held
     return units
+
+
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict)
 
 
 class BackwardHolds:
