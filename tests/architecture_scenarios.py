@@ -110,6 +110,36 @@ def compared(model: torch.nn.Module, state: dict) -> dict:
     return {k: v for k, v in state.items() if k not in running}
 
 
+def trained_in_plain_pytorch(ref: torch.nn.Module, data, world: int) -> None:
+    """STEPS steps of SGD on the mean of the ranks' losses (the global batch), on `ref` in place."""
+    opt = make_sgd([p for p in ref.parameters() if p.requires_grad])
+    for step in data:
+        (sum(ref(**b).loss for b in step) / world).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def trained_by_engine(model: torch.nn.Module, cfg: dict, data, rank: int):
+    """The engine over `model` (config `cfg`; a planned one profiles this rank's first micro-batch),
+    after STEPS steps on this rank's micro-batches."""
+    planned = {"example_inputs": data[0][rank]} if cfg.get("offload") == "auto" else {}
+    engine = zeroshard.initialize(model, make_sgd, cfg, **planned)
+    for step in data:
+        engine.backward(engine(**step[rank]).loss)
+        engine.step()
+    return engine
+
+
+def with_lora(model: torch.nn.Module, checkpointing: bool = False) -> torch.nn.Module:
+    """peft's LoRA over every linear layer (peft finds them: "all-linear")."""
+    import peft
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                       lora_dropout=0.0))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def trained_alike(rank: int, world: int, name: str) -> dict:
     """Per engine configuration, the largest difference from plain PyTorch after STEPS steps of SGD
     with momentum; for a generative model, also whether greedy generation at stage 3 with small
@@ -124,21 +154,13 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
     torch.manual_seed(0)
     ref = build()
     initial = copy.deepcopy(ref.state_dict())
-    opt = make_sgd(list(ref.parameters()))
-    for step in data:
-        (sum(ref(**b).loss for b in step) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    trained_in_plain_pytorch(ref, data, world)
     want = compared(ref, ref.state_dict())
     out = {"unavailable": False, "diff": {}}
     for label, cfg in CONFIGS.items():
         model = build()
         model.load_state_dict(initial)
-        planned = {"example_inputs": data[0][rank]} if cfg.get("offload") == "auto" else {}
-        engine = zeroshard.initialize(model, make_sgd, cfg, **planned)
-        for step in data:
-            engine.backward(engine(**step[rank]).loss)
-            engine.step()
+        engine = trained_by_engine(model, cfg, data, rank)
         out["diff"][label] = max_diff(compared(ref, engine.full_state_dict()), want)
     if generates:  # the last engine: stage 3, small chunks (CONFIGS' order)
         prompt = {k: v for k, v in data[0][rank].items() if k != "labels"}
@@ -159,40 +181,25 @@ def lora_on_fused_experts(rank: int, world: int) -> dict:
     checkpointing, adapters read in the recomputation), and offload="auto" could not profile it
     (torch.autocast named for the meta device). Per configuration, the largest difference from
     the same peft model trained in plain PyTorch."""
-    try:
-        import peft
-    except ImportError:
-        return {"unavailable": True}
     base, _, _ = architectures()["mixtral"]
-    if base is None:
+    if base is None or not _has_peft():
         return {"unavailable": True}
 
-    def build():
+    def build(checkpointing=False):
         torch.manual_seed(0)
-        return peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                           lora_dropout=0.0))
+        return with_lora(base(), checkpointing)
     g = torch.Generator().manual_seed(1)
     data = [[batch("tokens", g) for _ in range(world)] for _ in range(STEPS)]
     ref = build()
     initial = copy.deepcopy(ref.state_dict())
-    opt = make_sgd([p for p in ref.parameters() if p.requires_grad])
-    for step in data:
-        (sum(ref(**b).loss for b in step) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    trained_in_plain_pytorch(ref, data, world)
     out = {"unavailable": False, "diff": {}}
     for label, cfg, checkpointing in (("stage3_small_chunks", CONFIGS["stage3_small_chunks"], False),
                                       ("stage3_checkpointing", {"stage": 3}, True),
                                       ("auto", CONFIGS["auto"], False)):
-        model = build()
+        model = build(checkpointing)
         model.load_state_dict(initial)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        planned = {"example_inputs": data[0][rank]} if cfg.get("offload") == "auto" else {}
-        engine = zeroshard.initialize(model, make_sgd, cfg, **planned)
-        for step in data:
-            engine.backward(engine(**step[rank]).loss)
-            engine.step()
+        engine = trained_by_engine(model, cfg, data, rank)
         out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
     return out
 
@@ -204,41 +211,36 @@ def lora_frozen_base(rank: int, world: int) -> dict:
     the whole base gathered at once by then (an 8-layer model: 12 of 12 chunks, 216 overflows of a
     3-chunk cache). With activation checkpointing, the same engine raised CheckpointError (a frozen
     weight autograd saved as itself was released, shape [0], before its backward)."""
-    try:
-        import peft
-    except ImportError:
-        return {"unavailable": True}
     base, _, _ = architectures()["gpt_neox"]
+    if base is None or not _has_peft():
+        return {"unavailable": True}
 
-    def build(checkpointing):
+    def build(checkpointing=False):
         torch.manual_seed(0)
-        model = peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                            lora_dropout=0.0))
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        return with_lora(base(), checkpointing)
     g = torch.Generator().manual_seed(1)
     data = [[batch("tokens", g) for _ in range(world)] for _ in range(STEPS)]
-    ref = build(False)
+    ref = build()
     initial = copy.deepcopy(ref.state_dict())
-    opt = make_sgd([p for p in ref.parameters() if p.requires_grad])
-    for step in data:
-        (sum(ref(**b).loss for b in step) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    trained_in_plain_pytorch(ref, data, world)
     out = {"unavailable": False, "diff": {}, "overflows": {}, "peak_chunks": {}}
     for label, checkpointing in (("plain", False), ("checkpointing", True)):
         model = build(checkpointing)
         model.load_state_dict(initial)
-        engine = zeroshard.initialize(model, make_sgd, {"stage": 3, "chunk_size": 1024, "cache_chunks": 3})
-        for step in data:
-            engine.backward(engine(**step[rank]).loss)
-            engine.step()
+        engine = trained_by_engine(model, {"stage": 3, "chunk_size": 1024, "cache_chunks": 3}, data, rank)
         out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
         out["overflows"][label] = engine.stats()["cache_overflows"]
         out["peak_chunks"][label] = engine.stats()["cache_peak_chunks"]
         out["chunks"] = len(engine.chunks)
     return out
+
+
+def _has_peft() -> bool:
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 SCENARIOS = {name: functools.partial(trained_alike, name=name) for name in architectures()}
