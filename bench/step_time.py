@@ -143,6 +143,7 @@ def build(name, args):
     engine = zeroshard.initialize(model, optimizer=adamw, config={
         "stage": int(name[2:]), "cache_chunks": int(cache) if cache else args.cache_chunks,
         "check_order": args.check_order, "grad_norm": getattr(args, "grad_norm", True),
+        "nonfinite": getattr(args, "nonfinite", "ignore"),
         "chunk_size": getattr(args, "chunk_size", None) or "auto", "compile": compiled})
     return (Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step,
                    engine.apply_delayed_update), engine)
@@ -283,7 +284,7 @@ def print_table(rows, machine, args):
     ref = WORKLOADS[args.model]["reference_losses"]
     print(f"{args.model}, {args.steps} steps ({args.warmup} warmup, turns of {args.block}), "
           f"chunk_size={args.chunk_size or 'auto'}, cache_chunks={args.cache_chunks}, "
-          f"check_order={args.check_order}, grad_norm={args.grad_norm}; reference losses "
+          f"check_order={args.check_order}, grad_norm={args.grad_norm}, nonfinite={args.nonfinite}; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
     print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
     print(f"{'system':<7} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29} "
@@ -337,6 +338,9 @@ def main():
     ap.add_argument("--grad-norm", action=argparse.BooleanOptionalAction, default=True,
                     help="zeroshard config grad_norm: the gradient's global norm in stats() at every step "
                          "(a pass over the gradient that DDP does not make)")
+    ap.add_argument("--nonfinite", choices=["ignore", "skip", "raise"], default="ignore",
+                    help="zeroshard config nonfinite: 'skip' and 'raise' check every gradient for NaN and inf "
+                         "at each step (a pass DDP does not make)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(s for s in systems if not re.fullmatch(r"zs3@[1-9][0-9]*(\+c)?", s))
@@ -377,7 +381,7 @@ def main():
                            "block": args.block,
                            "phase_sync": args.phase_sync, "cache_chunks": args.cache_chunks,
                            "chunk_size": args.chunk_size,
-                           "check_order": args.check_order, "grad_norm": args.grad_norm,
+                           "check_order": args.check_order, "grad_norm": args.grad_norm, "nonfinite": args.nonfinite,
                            "reference_losses": WORKLOADS[args.model]["reference_losses"], "systems": rows}, f, indent=2)
             print(f"wrote {args.json}")
     dist.destroy_process_group()

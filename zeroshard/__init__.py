@@ -12,7 +12,8 @@ function-local imports included; tests/test_layering.py reads this list and chec
 code uses are defined once, in docs/vocabulary.md.
 
 Floors:
-1. errors, units, config: every public error (one base, ZeroShardError), the model's units, the config.
+1. errors, units, config, numerics: every public error (one base, ZeroShardError), the model's units,
+   the config, reductions over large tensors (finite checks, sums of squares).
 2. distributed: the only floor that calls torch.distributed (Comm, order checks, DTensor helpers).
 3. files: safetensors weights, checkpoint folders and their atomic commits, DCP adapters.
 4. runtime: chunks, rCache, hooks, reduction, transfers, saved tensors, precision, module state.

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import WeightsError
+from ..numerics import all_finite
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -166,7 +167,7 @@ class WeightFiles:
             yield self._finite(key, rows[a - first * row:b - first * row])
 
     def _finite(self, key: str, block: torch.Tensor) -> torch.Tensor:
-        if not self.allow_nonfinite and block.is_floating_point() and not torch.isfinite(block).all():
+        if not self.allow_nonfinite and block.is_floating_point() and not all_finite([block]):
             raise WeightsError(f"zeroshard: tensor {key} of {self.entries[key][0]} holds NaN or inf values: refused "
                                "(config allow_nonfinite_weights=True loads a checkpoint that holds them on purpose)")
         return block

