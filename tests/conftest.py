@@ -1,10 +1,26 @@
+import multiprocessing.util
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("ZEROSHARD_RANK_THREADS", "1")  # spawned worlds of one: distributed._entry says why
+
+# Every temporary folder the session makes, in this process and in the ranks it spawns (which
+# inherit TMPDIR), lies in one folder removed when the session ends: scenarios make theirs with
+# tempfile and many cannot remove them (a rank does not know when the others are done with a
+# shared one), so each run used to leave a few hundred behind.
+# multiprocessing's own folder stays outside: it removes that at exit, after the session ends.
+multiprocessing.util.get_temp_dir()
+SESSION_TMP = tempfile.mkdtemp(prefix="zeroshard-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 from distributed import WorldResults  # noqa: E402  (found through the path above)
 

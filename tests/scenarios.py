@@ -417,6 +417,33 @@ for _stage in (0, 1, 2):
 
 
 @scenario
+def desync_after_a_skipped_step_stage0(rank, world):
+    """Stage 0: the last rank leaves out one engine.step() that the others make (a step issues no
+    collective there: its STEP tag rides on the next comparison, ordering.py); every rank must get
+    DivergedError at the next gradient reduction, naming the step, never a hang or an update
+    applied by some ranks only without a word."""
+    import time
+    from zeroshard import DivergedError
+    if world == 1:
+        return {"raised": "n/a at world 1"}
+    data = batches(6, world, 2)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 0, "chunk_size": 4000})
+    t0 = time.perf_counter()
+    try:
+        for k, step in enumerate(data):
+            x = step[0][rank]
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            if not (rank == world - 1 and k == 2):
+                engine.step()
+    except DivergedError as e:
+        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300],
+                "at": k}
+    else:
+        mine = {"raised": None}
+    return {"ranks": _gather(mine, world)}
+
+
+@scenario
 def desync_after_a_caught_step_error(rank, world):
     """Rank 0's optimizer step raises after the step's first collective (the clipping norm); it
     catches the error and trains on, a step behind the others, which went on to the step's

@@ -138,13 +138,16 @@ def test_grad_norm_without_clipping_is_the_global_norm_at_world_3(tmp_path_facto
 def test_stage_0_steps_without_a_collective_of_its_own(tmp_path_factory):
     """World 3: a stage-0 step issues no collective (which parameters got a gradient anywhere rides
     on the gradient's all-reduce; the norm and finite check are each rank's own, the gradient being
-    the same on every rank) and its order check is the STEP tag's alone; with clipping, one control
-    all-reduce (rank 0's exact norm), which needs no comparison of its own after STEP's. Stages 1-3:
-    one control all-reduce per step (flags and norm), likewise without a comparison of its own."""
+    the same on every rank) and no comparison of its own (its STEP tag rides in the next gradient
+    reduction's); with clipping, one control all-reduce (rank 0's exact norm), which needs no
+    comparison of its own after STEP's. Stages 1-3: one control all-reduce per step (flags and
+    norm), likewise without a comparison of its own."""
     counts = _norms.get(3, tmp_path_factory)["counts"]
     for name, control in (("0", 0), ("0clip", 1), ("1", 1), ("2", 1), ("3", 1)):
         chunks = counts[name]["chunks"]
         for collectives, checks in counts[name]["steps"][1:]:  # the first step's counts hold set-up
             assert collectives == control, (name, counts[name])
-            if name.startswith("0"):  # one REDUCE comparison per chunk, then STEP's
+            if name == "0":  # one REDUCE comparison per chunk; STEP's tag rides on the next one
+                assert checks == chunks, (name, counts[name])
+            elif name == "0clip":  # ... and STEP's own, beside which the control all-reduce goes out
                 assert checks == chunks + 1, (name, counts[name])

@@ -175,3 +175,18 @@ def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(r
         return
     assert [g["raised"] for g in got["ranks"]] == ["DivergedError"] * world, got
     assert max(g["seconds"] for g in got["ranks"]) < 30
+
+
+def test_a_rank_that_leaves_out_a_stage_0_step_gets_diverged_error_everywhere(res):
+    """Stage 0's step sends no comparison of its own (its tag rides on the next one): the rank
+    that left one out and the ranks that made it all raise at the next micro-batch's first
+    gradient reduction, each message naming the step."""
+    r, world = res
+    got = ok(r, "desync_after_a_skipped_step_stage0")
+    if world == 1:
+        assert got["raised"] == "n/a at world 1"
+        return
+    assert [(g["raised"], g["at"]) for g in got["ranks"]] == [("DivergedError", 3)] * world, got
+    for rank, g in enumerate(got["ranks"]):
+        assert "run the optimizer step in micro-batch 2" in g["message"], g
+        assert "go on with no step or collective there" in g["message"], g

@@ -331,7 +331,7 @@ class Engine(EngineIO):
             return False  # no backward since the last step: torch changes no parameter without a .grad
         # A rank a micro-batch or a step apart raises at the step's first collective (stage 0 without
         # clipping has none: at the next one), or in its peers' hooks (ordering.py)
-        self.comm.announce(STEP)
+        self.comm.announce(STEP, alone=self.optim.issues_no_collective)
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
         try:

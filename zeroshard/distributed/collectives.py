@@ -192,13 +192,13 @@ class Comm:
         if self.sequencer is not None:
             self.sequencer.agree(order_tag(kind, 0, self.pass_index))
 
-    def announce(self, kind: int) -> None:
+    def announce(self, kind: int, alone: bool = False) -> None:
         """As agree, without waiting: the DivergedError comes before the result of the next
         collective on this group is read (Sequencer.announce, phase_alone). For a phase that changes
         nothing before its first collective, or has none (ordering.STEP; ordering.py says what a
-        step without one means)."""
+        step without one means): `alone`, the tag then rides on the next comparison."""
         if self.sequencer is not None:
-            self.sequencer.announce(order_tag(kind, 0, self.pass_index))
+            self.sequencer.announce(order_tag(kind, 0, self.pass_index), alone)
 
     def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective",
                polled: bool = True):

@@ -24,8 +24,10 @@ Which collectives compare what:
   update: one tag for the batch, once the update is computed (PUBLISH), so a rank whose step raised
   half-way never pairs its next collectives with them. STEP is compared without waiting
   (`Sequencer.announce`): the comparison is finished before the result of the step's first
-  collective is read. A step without a collective (stage 0, no clipping) leaves it to the next
-  collective: a rank out of step then applies its update and raises there, on every rank.
+  collective is read. A step without a collective (stage 0, no clipping) sends no comparison of
+  its own: its tag rides in the next comparison's message (`OrderCheck.defer`; every message
+  carries a deferred tag, 0 where there is none), so a rank out of step applies its update and
+  raises at its next collective, on every rank, and each step saves a round trip.
 - blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
   except the first one after a phase tag with nothing handed over between (the step's control
   all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's
@@ -79,6 +81,8 @@ def order_tag(kind: int, chunk_index: int = 0, micro_batch: int = 0) -> int:
 
 
 def describe_tag(tag: int) -> str:
+    if tag == 0:  # what a comparison carries where no phase was deferred, or a deferred one goes alone
+        return "go on with no step or collective there"
     n, kind, index = tag >> 40, (tag >> 32) & 0xFF, tag & 0xFFFFFFFF
     return _WHAT.get(kind, "op {k} on chunk {i}").format(i=index, k=kind) + f" in micro-batch {n}"
 
@@ -130,7 +134,9 @@ def waiting(what, timeout_s: float):
 
 class OrderCheck:
     """Compares tags across the ranks of `group`: each rank contributes (tag, -tag) to a MAX
-    all-reduce, and the ranks agree iff max == min. After a disagreement every call raises."""
+    all-reduce, and the ranks agree iff max == min. Each comparison also carries the phase tag
+    deferred since the last one (`defer`; 0 for none) in the same way, so every message has the
+    same size. After a disagreement every call raises."""
 
     def __init__(self, group, rank: int, where=lambda: "", timeout_s: float = 600.0):
         self.group = group
@@ -139,31 +145,45 @@ class OrderCheck:
         self.timeout_s = timeout_s
         self.failure: str | None = None  # the first disagreement's message
         self.comparisons = 0
+        self._deferred = 0  # a phase tag that the next comparison carries (defer)
 
     def reset_counters(self) -> None:
         self.comparisons = 0
 
-    def start(self, tag: int) -> tuple[torch.Tensor, object]:
-        """Start comparing `tag` (async): (buffer, work) for `finish`."""
+    def defer(self, tag: int) -> None:
+        """Compare phase tag `tag` with the next comparison, in its message: for a phase that
+        issues no collective (a stage-0 step without clipping), which the next one follows on
+        every rank that agrees on it. A rank that skipped the phase carries 0 there, and both raise."""
         self.raise_if_failed()
-        buf = torch.tensor([tag, -tag], dtype=torch.int64)
+        if self._deferred:  # two phases with no comparison between: the first goes alone
+            self.agree(0)
+        self._deferred = tag
+
+    def start(self, tag: int) -> tuple[torch.Tensor, object, int]:
+        """Start comparing `tag` (async), with the deferred phase tag: (buffer, work, that phase
+        tag) for `finish`."""
+        self.raise_if_failed()
+        deferred, self._deferred = self._deferred, 0
+        buf = torch.tensor([deferred, -deferred, tag, -tag], dtype=torch.int64)
         self.comparisons += 1
         _unfinished[id(buf)] = buf
         with waiting(lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}", self.timeout_s):
-            return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            return buf, dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True), deferred
 
-    def finish(self, tag: int, buf: torch.Tensor, work) -> None:
+    def finish(self, tag: int, buf: torch.Tensor, work, deferred: int) -> None:
         wait_for(work, lambda: f"compare the order of collectives, to {describe_tag(tag)}{self.where()}",
                  self.timeout_s)
         _unfinished.pop(id(buf), None)
-        hi, lo = int(buf[0]), -int(buf[1])
+        mine, hi, lo = tag, int(buf[2]), -int(buf[3])
+        if int(buf[0]) != -int(buf[1]):  # the deferred phase tags differ: that came first
+            mine, hi, lo = deferred, int(buf[0]), -int(buf[1])
         if hi != lo and self.failure is None:
             # Ranks may have started different numbers of comparisons on this group: an engine
             # made after this one must not pair its comparisons with the leftovers (has_check_group).
             _retire_check_groups()
             self.failure = (
-                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(tag)}, but "
-                f"another rank is about to {describe_tag(hi if hi != tag else lo)}. Every rank must "
+                f"zeroshard: ranks diverged: rank {self.rank} is about to {describe_tag(mine)}, but "
+                f"another rank is about to {describe_tag(hi if hi != mine else lo)}. Every rank must "
                 "call the same modules in the same order and run the same micro-batches (a rank that "
                 "caught an exception inside forward or backward and carried on is out of step with "
                 "the others; data-dependent control flow that differs between ranks is not supported).")
@@ -172,6 +192,11 @@ class OrderCheck:
     def agree(self, tag: int) -> None:
         """Compare `tag` now (blocking)."""
         self.finish(tag, *self.start(tag))
+
+    def flush(self) -> None:
+        """Compare the deferred phase tag now, if there is one (blocking)."""
+        if self._deferred:
+            self.agree(0)
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
@@ -210,7 +235,7 @@ class Sequencer:
     def __init__(self, check: OrderCheck, inline: bool):
         self.check = check
         self.inline = inline  # compare before issuing, blocking (CUDA)
-        self._queue: collections.deque = collections.deque()  # (tag, buf, check work, issue, ticket)
+        self._queue: collections.deque = collections.deque()  # (tag, buf, check work, deferred, issue, ticket)
         self._announced = False  # a phase tag was handed over last (see the module's docstring)
         self._phase_ticket = None  # ... its entry in the queue
 
@@ -235,12 +260,12 @@ class Sequencer:
         for comparisons up to that ticket's. DivergedError on a disagreement (nothing after it is
         issued)."""
         while self._queue:
-            tag, buf, work, issue, ticket = self._queue[0]
+            tag, buf, work, deferred, issue, ticket = self._queue[0]
             if until is None and not (ticket.polled and work.is_completed()):
                 return
             self._queue.popleft()
             try:
-                self.check.finish(tag, buf, work)
+                self.check.finish(tag, buf, work, deferred)
             except DivergedError:
                 self._queue.clear()
                 raise
@@ -257,18 +282,26 @@ class Sequencer:
         if self._queue:
             self.progress(until=self._queue[-1][-1])
 
-    def drain(self) -> None:
-        """Issue everything handed over (waiting for its comparisons). An untagged collective
-        follows: a phase tag no longer stands for the next one (agree)."""
+    def drain(self, flush: bool = True) -> None:
+        """Issue everything handed over (waiting for its comparisons), and with `flush` compare a
+        deferred phase tag. An untagged collective follows: a phase tag no longer stands for the
+        next one (agree)."""
         self._announced = False
         if self._queue:
             self.progress(until=self._queue[-1][-1])
+        if flush:
+            self.check.flush()
         self.check.raise_if_failed()
 
-    def announce(self, tag: int) -> None:
+    def announce(self, tag: int, alone: bool = False) -> None:
         """Compare a phase tag (STEP) without waiting; it is finished, in order, before anything
         handed over later is issued, and before the result of an untagged collective issued beside
-        it is read (phase_alone)."""
+        it is read (phase_alone). `alone`: the phase issues no collective, so its tag rides on the
+        next comparison instead of one of its own (OrderCheck.defer)."""
+        if alone:
+            self._announced = False
+            self.check.defer(tag)
+            return
         self._phase_ticket = self.submit(tag, lambda: None)
         self._announced = True
 
@@ -281,9 +314,9 @@ class Sequencer:
         """After everything handed over is issued: compare `tag` now (blocking), unless a phase
         tag was the last thing handed over (the module's docstring says why that suffices)."""
         announced = self._announced
-        self.drain()
+        self.drain(flush=False)
         if not announced:
-            self.check.agree(tag)
+            self.check.agree(tag)  # a deferred phase tag rides on it
 _check_groups: dict = {}  # process group -> its check group, shared by the engines of the process
 # Check groups no longer used, kept alive: a gloo group's destructor waits for every comparison it
 # queued, and after a divergence some are never paired.

@@ -147,6 +147,16 @@ class ShardedOptimizer(DelayedUpdate):
             if c.tier is not None:
                 c.tier.adopt(c)
 
+    @property
+    def replicated(self) -> bool:
+        """Stage 0 without clipping: every rank holds the same summed gradient, so the step agrees
+        on nothing over the group (replicated_grads); with no delayed update or disk tier either,
+        it issues no collective at all (issues_no_collective: ordering.py's STEP)."""
+        return (self.stage == 0 and self.clip is None and not self.shards.hybrid
+                and all(c.presence_tail for c in self.chunks))
+
+    issues_no_collective = property(lambda self: self.replicated and self.delay_after is None and self.tier is None)
+
     @torch.no_grad()  # the masters are Parameters: copies from them must not record history
     def step(self) -> bool:
         """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it.
@@ -222,8 +232,7 @@ class ShardedOptimizer(DelayedUpdate):
         # Stage 0 with peers (the step in the training thread) needs no collective but for the
         # clipping norm, which rank 0 measures for all (a norm measured on each rank could differ
         # in its last bits between ranks that sum in different orders, and so could the replicas).
-        if self.stage == 0 and not exact and comm is self.comm and not self.shards.hybrid \
-                and all(c.presence_tail for c in self.chunks):
+        if comm is self.comm and self.replicated:
             present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
                                                      measure_norm=self.measure_norm)
         else:
