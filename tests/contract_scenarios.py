@@ -128,6 +128,84 @@ def first_forward_differs(rank, world, stage):
             "chunks": [[s.name for s in c.slots] for c in engine.chunks]}
 
 
+class _Untrainable(torch.nn.Module):
+    """A linear layer beside one thing zeroshard's chunks cannot hold (units.refuse_untrainable)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        if kind == "float64":
+            self.double()
+        elif kind == "complex":
+            self.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        elif kind == "integer":  # a quantized base's weight: frozen, int8
+            self.q = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
+        elif kind == "sparse":
+            self.emb = torch.nn.Embedding(10, 4, sparse=True)
+
+
+def untrainable(rank, world, stage):
+    """Models zeroshard would otherwise change without a word (a float64, complex or integer
+    parameter) or cannot reduce (sparse gradients): initialize raises UnsupportedModelError on every
+    rank, before any collective, and leaves the model as it was."""
+    from distributed import error_on_every_rank
+    out = {}
+    for kind in ("float64", "complex", "integer", "sparse"):
+        model = _Untrainable(kind)
+        before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+        out[kind] = {"raised": error_on_every_rank(lambda: zeroshard.initialize(model, make_sgd, {"stage": stage})),
+                     "unchanged": before == {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+                     and type(model) is _Untrainable}
+    return out
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _write_between_steps(model, k):
+    """What users write into parameters between steps: a row set by hand after the first step,
+    every parameter clipped (as WGAN clips its critic) after the second."""
+    with torch.no_grad():
+        if k == 0:
+            model[0].weight[0].fill_(0.5)
+        if k == 1:
+            for p in model.parameters():
+                p.clamp_(-0.05, 0.05)
+
+
+def written_between_steps(rank, world, cfg):
+    """Writes into parameters between steps survive the next step as in plain PyTorch, also where
+    the parameters are a copy of the fp32 masters (16-bit training, an offloaded optimizer:
+    optim/user_writes.py)."""
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(2 * world, 8, generator=g) for _ in range(3)]
+    ref = _mlp()
+    ref_opt = make_sgd(ref.parameters())
+    model = _mlp()
+    engine = zeroshard.initialize(model, make_sgd, cfg)
+    for k, x in enumerate(data):
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine(x.chunk(world)[rank]).float().pow(2).mean())
+        engine.step()
+        _write_between_steps(ref, k)
+        _write_between_steps(model, k)
+    got = engine.full_state_dict()
+    return {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items())}
+
+
+for _name, _cfg in {"fp32_stage0": {"stage": 0}, "bf16_stage0": {"stage": 0, "precision": "bf16"},
+                    "bf16_stage2": {"stage": 2, "precision": "bf16"},
+                    "fp32_stage1_offload": {"stage": 1, "offload_optimizer": True},
+                    "bf16_stage2_offload": {"stage": 2, "precision": "bf16", "offload_optimizer": True}}.items():
+    SCENARIOS[f"written_between_steps_{_name}"] = lambda rank, world, cfg=_cfg: written_between_steps(rank, world, cfg)
+
+for _stage in (0, 3):
+    SCENARIOS[f"untrainable_stage{_stage}"] = lambda rank, world, stage=_stage: untrainable(rank, world, stage)
+
 for _stage in range(4):  # last: at stage 3 it ends in DivergedError
     SCENARIOS[f"first_forward_differs_stage{_stage}"] = lambda rank, world, stage=_stage: first_forward_differs(
         rank, world, stage)

@@ -158,3 +158,31 @@ def test_fp32_buffers_and_fp32_gradient_reduction_under_bf16(res, stage):
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_zero_grad_between_micro_batches_drops_them(res, opt, stage):
     assert ok(res[0], f"zero_grad_mid_window_{opt}_stage{stage}")["diff"] <= TOL[opt]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_model_the_chunks_cannot_hold_is_refused_on_every_rank_untouched(res, stage):
+    r, world = res
+    got = ok(r, f"untrainable_stage{stage}")
+    names = {"float64": "float64 parameters 'lin.weight' (torch.float64), 'lin.bias'",
+             "complex": "complex parameters 'phase' (torch.complex64)",
+             "integer": "integer or bool parameters 'q' (torch.int8)",
+             "sparse": "sparse-gradient modules 'emb' (Embedding(sparse=True))"}
+    for kind, named in names.items():
+        assert len(got[kind]["raised"]) == world, got[kind]
+        for raised in got[kind]["raised"]:
+            assert raised.startswith("UnsupportedModelError: zeroshard cannot train this model") and named in raised, \
+                (kind, raised)
+        assert got[kind]["unchanged"], kind
+
+
+@pytest.mark.parametrize("name", ["fp32_stage0", "bf16_stage0", "bf16_stage2", "fp32_stage1_offload",
+                                  "bf16_stage2_offload"])
+def test_writes_into_parameters_between_steps_last_as_in_torch(res, name):
+    """A row set by hand and every parameter clamped between steps, then SGD with momentum, against
+    plain PyTorch (fp32) on the global batch: fp32 within 1e-5; bf16 within 1e-2 (its forward and
+    gradients are bf16's: 8 bits of mantissa on values up to 0.5). A write lost to the master would
+    leave the row at its initial values and the clamped ones up to 0.4 away."""
+    r, _ = res
+    got = ok(r, f"written_between_steps_{name}")
+    assert got["diff"] <= (1e-5 if name.startswith("fp32") else 1e-2), got

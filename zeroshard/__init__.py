@@ -40,7 +40,7 @@ from .engine import Engine
 from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
                      GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError, PeerLostError,
                      PeerLostInCheckpointError, ShardedParameterError, TierFileError, UninitializedTensorError,
-                     WeightsError, ZeroShardError)
+                     UnsupportedModelError, WeightsError, ZeroShardError)
 from .planning.profiler import Profile, profile
 from .distributed.tensor_parallel import device_mesh
 
@@ -73,8 +73,8 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
            "GradientsInChunksError", "ModuleCopyError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
-           "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError", "WeightsError",
-           "ConfigError", "ZeroShardError"]
+           "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError",
+           "UnsupportedModelError", "WeightsError", "ConfigError", "ZeroShardError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,

@@ -30,7 +30,7 @@ from .runtime.chunks import Chunk
 from .runtime.compiled import compile_model, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
-from .units import layer_blocks
+from .units import layer_blocks, refuse_untrainable
 
 log = logging.getLogger("zeroshard")
 
@@ -42,6 +42,7 @@ class Engine(EngineIO):
                  example_inputs=None, weights=None, init_fn=None):
         # Named steps, in order (assembly.py): each takes what it needs and returns what it made.
         self.module = module
+        refuse_untrainable(module)
         world = join_world(module, config, device)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
         self.shards = world.shards

@@ -48,6 +48,12 @@ class ModuleMovedError(ZeroShardError, RuntimeError):
     """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
 
 
+class UnsupportedModelError(ZeroShardError, TypeError):
+    """A model zeroshard cannot train as it is, found at initialize before anything changed: a
+    parameter whose values the fp32/16-bit chunks cannot hold (float64, complex, integer), or a
+    module that makes sparse gradients. The message names each one and what to change."""
+
+
 class ModuleCopyError(ZeroShardError, TypeError):
     """A module that zeroshard.initialize wrapped was pickled or copied (its parameters are views of
     the engine's chunks and its hooks call the engine: a copy would not be a model of its own)."""

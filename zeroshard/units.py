@@ -21,9 +21,10 @@ checkpoint's recomputation runs again with no enclosing forward to lend the para
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError
 
 
 def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -190,3 +191,32 @@ class BackwardHolds:
 
 
 _NOT_HELD = object()
+
+
+def refuse_untrainable(module: nn.Module) -> None:
+    """UnsupportedModelError, naming each, for what zeroshard would otherwise change without a word:
+    chunks hold fp32 or 16-bit values (config precision), so a float64 parameter would train in
+    fp32, a complex one would lose its imaginary part and an integer one (a quantized base's) would
+    turn into floats; a module that makes sparse gradients (an nn.Embedding or nn.EmbeddingBag built
+    with sparse=True) has no flat gradient to reduce. Every rank holds the same model, so every rank
+    raises."""
+    kinds = {  # what is wrong -> (names, what to do)
+        "float64": ([], "cast the model to fp32 first (model.float()); config precision picks fp32 or 16-bit"),
+        "complex": ([], "keep each as a real parameter of shape (..., 2), read with torch.view_as_complex"),
+        "integer or bool": ([], "register each as a buffer (register_buffer), or dequantize the model"),
+        "sparse-gradient": ([], "build each with sparse=False"),
+    }
+    for name, p in module.named_parameters():
+        kind = "float64" if p.dtype == torch.float64 else "complex" if p.is_complex() else \
+            None if p.is_floating_point() else "integer or bool"
+        if kind:
+            kinds[kind][0].append(f"{name!r} ({p.dtype})")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            kinds["sparse-gradient"][0].append(f"{name!r} ({type(m).__name__}(sparse=True))")
+    found = [f"{kind} {'modules' if kind.startswith('sparse') else 'parameters'} "
+             f"{', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}: {fix}"
+             for kind, (names, fix) in kinds.items() if names]
+    if found:
+        raise UnsupportedModelError("zeroshard cannot train this model as it is (its chunks hold fp32 or 16-bit "
+                                    "values and flat gradients): " + "; ".join(found))

@@ -46,8 +46,9 @@ from .loss_scale import LossScaler
 from ..distributed.ordering import PUBLISH
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
-from .tiered_states import TieredStates, agree_on_tier
+from .tiered_states import TieredStates, agree_on_tier, state_bytes_by_side
 from .tiled_step import TiledStep
+from .user_writes import UserWrites
 from .delayed_update import DelayedUpdate, UpdateState
 
 
@@ -80,6 +81,7 @@ class ShardedOptimizer(DelayedUpdate):
         self.chunks = []
         self._views = GradViews()  # the pieces' .grad
         self._tiles = TiledStep()  # which pieces step as cache-sized tiles (tiled_step.py)
+        self._writes = UserWrites()  # the user's writes into parameters, for the masters (user_writes.py)
         self.last_grad_norm = None
         self.skipped_steps = 0
         self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
@@ -113,6 +115,7 @@ class ShardedOptimizer(DelayedUpdate):
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
         self._build_tiles(self.optimizer)
+        self._writes.watch(self.chunks)
         if self.tier is not None:  # the masters go to disk now: host memory holds a few at a time from here on
             on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
             self.tier.attach(on_disk)
@@ -143,6 +146,7 @@ class ShardedOptimizer(DelayedUpdate):
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
         self._build_tiles(self.optimizer)
+        self._writes.watch(self.chunks)
         for c in thawed:
             if c.tier is not None:
                 c.tier.adopt(c)
@@ -167,6 +171,7 @@ class ShardedOptimizer(DelayedUpdate):
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
             return True
+        self._writes.carry()
         grads = sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks])
         applied, overflow, norm = self._update(grads, self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
                                                self._copy_target, self._publish)
@@ -439,13 +444,5 @@ class ShardedOptimizer(DelayedUpdate):
         # sizes; load_state_dict makes a new state dict. The disk tier's swap in and out: always.
         key = (id(self.optimizer.state), len(self.optimizer.state))
         if self.tier is not None or self._state_bytes_key != key:
-            self._state_bytes_key, self._state_bytes = key, self._count_state_bytes()
+            self._state_bytes_key, self._state_bytes = key, state_bytes_by_side(self.chunks, self.optimizer)
         return dict(self._state_bytes)
-
-    def _count_state_bytes(self) -> dict[bool, int]:
-        host_of = {id(pc.param): c.placement.optimizer_on_host for c in self.chunks for pc in c.pieces}
-        out = {False: 0, True: 0}
-        for p, st in self.optimizer.state.items():
-            out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()
-                                                  if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
-        return out

@@ -71,3 +71,14 @@ def agree_on_tier(comm, failure: TierFileError | None) -> None:
         r, m = bad[0]
         raise TierFileError(f"zeroshard: the disk tier of rank {r} failed in this step ({m}); this rank's "
                             "update is not consistent with it: resume from the last checkpoint")
+
+
+def state_bytes_by_side(chunks, optimizer) -> dict[bool, int]:
+    """Bytes of `optimizer`'s state tensors for the master pieces of `chunks`, by whether they live
+    on the host (a disk-tier chunk's, meta tensors between steps, count on neither side)."""
+    host_of = {id(pc.param): c.placement.optimizer_on_host for c in chunks for pc in c.pieces}
+    out = {False: 0, True: 0}
+    for p, st in optimizer.state.items():
+        out[host_of.get(id(p), False)] += sum(v.numel() * v.element_size() for v in st.values()
+                                              if isinstance(v, torch.Tensor) and v.dim() > 0 and not v.is_meta)
+    return out
