@@ -1,3 +1,4 @@
+import getpass
 import multiprocessing.util
 import os
 import shutil
@@ -14,7 +15,9 @@ os.environ.setdefault("ZEROSHARD_RANK_THREADS", "1")  # spawned worlds of one: d
 # tempfile and many cannot remove them (a rank does not know when the others are done with a
 # shared one), so each run used to leave a few hundred behind.
 # multiprocessing's own folder stays outside: it removes that at exit, after the session ends.
+# So does inductor's compile cache, a cache by design, kept between sessions where it was.
 multiprocessing.util.get_temp_dir()
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
 SESSION_TMP = tempfile.mkdtemp(prefix="zeroshard-tests-")
 os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 
