@@ -173,17 +173,14 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
     return out
 
 
-def lora_on_fused_experts(rank: int, world: int) -> dict:
-    """peft's LoRA with target_modules="all-linear" on a tiny Mixtral: peft wraps the router and
-    the fused experts' parameters (ParamWrapper), whose forward swaps the wrapped parameter through
-    torch's parametrize and multiplies the adapters' weights outside their own forwards. At stage 3
-    that raised ShardedParameterError (a placeholder's set_ to itself; with activation
-    checkpointing, adapters read in the recomputation), and offload="auto" could not profile it
-    (torch.autocast named for the meta device). Per configuration, the largest difference from
-    the same peft model trained in plain PyTorch."""
-    base, _, _ = architectures()["mixtral"]
+def _lora_runs(arch: str, runs, rank: int, world: int):
+    """peft's LoRA on `arch`, trained STEPS steps in plain PyTorch on the global batch and, from the
+    same initial values, by an engine per (label, config, activation checkpointing) of `runs`:
+    (the reference's state, the (label, engine) pairs as each is trained), or None where
+    transformers lacks the architecture or peft is not installed."""
+    base, _, _ = architectures()[arch]
     if base is None or not _has_peft():
-        return {"unavailable": True}
+        return None
 
     def build(checkpointing=False):
         torch.manual_seed(0)
@@ -193,15 +190,31 @@ def lora_on_fused_experts(rank: int, world: int) -> dict:
     ref = build()
     initial = copy.deepcopy(ref.state_dict())
     trained_in_plain_pytorch(ref, data, world)
-    out = {"unavailable": False, "diff": {}}
-    for label, cfg, checkpointing in (("stage3_small_chunks", CONFIGS["stage3_small_chunks"], False),
-                                      ("stage3_checkpointing", {"stage": 3}, True),
-                                      ("auto", CONFIGS["auto"], False)):
-        model = build(checkpointing)
-        model.load_state_dict(initial)
-        engine = trained_by_engine(model, cfg, data, rank)
-        out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
-    return out
+
+    def engines():
+        for label, cfg, checkpointing in runs:
+            model = build(checkpointing)
+            model.load_state_dict(initial)
+            yield label, trained_by_engine(model, cfg, data, rank)
+    return ref.state_dict(), engines()
+
+
+def lora_on_fused_experts(rank: int, world: int) -> dict:
+    """peft's LoRA with target_modules="all-linear" on a tiny Mixtral: peft wraps the router and
+    the fused experts' parameters (ParamWrapper), whose forward swaps the wrapped parameter through
+    torch's parametrize and multiplies the adapters' weights outside their own forwards. At stage 3
+    that raised ShardedParameterError (a placeholder's set_ to itself; with activation
+    checkpointing, adapters read in the recomputation), and offload="auto" could not profile it
+    (torch.autocast named for the meta device). Per configuration, the largest difference from
+    the same peft model trained in plain PyTorch."""
+    runs = _lora_runs("mixtral", (("stage3_small_chunks", CONFIGS["stage3_small_chunks"], False),
+                                  ("stage3_checkpointing", {"stage": 3}, True),
+                                  ("auto", CONFIGS["auto"], False)), rank, world)
+    if runs is None:
+        return {"unavailable": True}
+    want, engines = runs
+    return {"unavailable": False,
+            "diff": {label: max_diff(engine.full_state_dict(), want) for label, engine in engines}}
 
 
 def lora_frozen_base(rank: int, world: int) -> dict:
@@ -211,24 +224,14 @@ def lora_frozen_base(rank: int, world: int) -> dict:
     the whole base gathered at once by then (an 8-layer model: 12 of 12 chunks, 216 overflows of a
     3-chunk cache). With activation checkpointing, the same engine raised CheckpointError (a frozen
     weight autograd saved as itself was released, shape [0], before its backward)."""
-    base, _, _ = architectures()["gpt_neox"]
-    if base is None or not _has_peft():
+    cfg = {"stage": 3, "chunk_size": 1024, "cache_chunks": 3}
+    runs = _lora_runs("gpt_neox", (("plain", cfg, False), ("checkpointing", cfg, True)), rank, world)
+    if runs is None:
         return {"unavailable": True}
-
-    def build(checkpointing=False):
-        torch.manual_seed(0)
-        return with_lora(base(), checkpointing)
-    g = torch.Generator().manual_seed(1)
-    data = [[batch("tokens", g) for _ in range(world)] for _ in range(STEPS)]
-    ref = build()
-    initial = copy.deepcopy(ref.state_dict())
-    trained_in_plain_pytorch(ref, data, world)
+    want, engines = runs
     out = {"unavailable": False, "diff": {}, "overflows": {}, "peak_chunks": {}}
-    for label, checkpointing in (("plain", False), ("checkpointing", True)):
-        model = build(checkpointing)
-        model.load_state_dict(initial)
-        engine = trained_by_engine(model, {"stage": 3, "chunk_size": 1024, "cache_chunks": 3}, data, rank)
-        out["diff"][label] = max_diff(engine.full_state_dict(), ref.state_dict())
+    for label, engine in engines:
+        out["diff"][label] = max_diff(engine.full_state_dict(), want)
         out["overflows"][label] = engine.stats()["cache_overflows"]
         out["peak_chunks"][label] = engine.stats()["cache_peak_chunks"]
         out["chunks"] = len(engine.chunks)

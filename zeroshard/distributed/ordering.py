@@ -155,8 +155,7 @@ class OrderCheck:
         issues no collective (a stage-0 step without clipping), which the next one follows on
         every rank that agrees on it. A rank that skipped the phase carries 0 there, and both raise."""
         self.raise_if_failed()
-        if self._deferred:  # two phases with no comparison between: the first goes alone
-            self.agree(0)
+        self.flush()  # two phases with no comparison between: the first goes alone
         self._deferred = tag
 
     def start(self, tag: int) -> tuple[torch.Tensor, object, int]:

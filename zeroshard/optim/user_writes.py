@@ -32,10 +32,9 @@ class UserWrites:
         self._seen = {id(c): (c, _versions(c)) for c in chunks if _apart(c)}
 
     @torch.no_grad()
-    def carry(self) -> int:
+    def carry(self) -> None:
         """Take what was written into the watched chunks' parameters since last seen into their
-        masters; returns how many parameters were written."""
-        written = 0
+        masters."""
         for key, (c, seen) in self._seen.items():
             now = _versions(c)
             if now == seen:
@@ -45,9 +44,7 @@ class UserWrites:
                     master = pc.param.detach().view(-1)
                     values = c.full[pc.lo:pc.hi].to(master.device)
                     master.copy_(torch.where(values != master.to(values.dtype), values.to(master.dtype), master))
-                    written += 1
             self._seen[key] = (c, now)
-        return written
 
 
 def _apart(c) -> bool:
