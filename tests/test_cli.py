@@ -27,6 +27,10 @@ def not_a_module():
     return 42
 
 
+def tiny_float64():
+    return tiny().double()
+
+
 def run(capsys, *argv):
     rc = main(list(argv))
     out, err = capsys.readouterr()
@@ -165,6 +169,12 @@ def test_bad_input_exits_2_with_a_message(capsys, argv, message):
 def test_bad_models_exit_2(capsys, model, message):
     rc, out, err = run(capsys, "plan", model, "--gpu-memory", "8GB")
     assert rc == 2 and message in err
+
+
+def test_a_model_initialize_would_refuse_is_not_planned(capsys):
+    rc, out, err = run(capsys, "plan", "test_cli:tiny_float64", "--input-shape", "4,64", "--gpu-memory", "8GB")
+    assert rc == 2 and not out
+    assert "test_cli:tiny_float64: cannot train this model as it is" in err and "float64 parameters '0.weight'" in err
 
 
 def test_factory_input_that_does_not_suit_the_model(capsys):

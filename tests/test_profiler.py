@@ -57,6 +57,13 @@ def test_profile_touches_no_real_weight_and_runs_on_meta_models():
     assert prof.flops > 0
 
 
+def test_profile_refuses_what_initialize_refuses():
+    """A float64 model would be profiled (and planned) as fp32, then refused by initialize."""
+    x = torch.randint(0, 128, (2, 32))
+    with pytest.raises(zeroshard.UnsupportedModelError, match="float64 parameters 'transformer.wte.weight'"):
+        zeroshard.profile(tiny_gpt2().double(), {"input_ids": x, "labels": x})
+
+
 def test_trace_and_first_use_order_match_the_runtime():
     """Quirky registers modules in another order than it uses them, calls one twice, shares a weight
     and never calls one: the first-use order must be the one the engine records at run time, and the

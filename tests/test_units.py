@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zeroshard
+from zeroshard.runtime import cache as cache_module
 from zeroshard.runtime.cache import ChunkCache
 from zeroshard.runtime.chunks import Chunk, ChunkState
 from zeroshard.runtime.packing import ALIGN, Slot, auto_chunk_size, pack
@@ -212,8 +213,9 @@ def test_chunk_stage12_params_are_views_and_fp32_master_aliases_storage():
 
 # -- cache ----------------------------------------------------------------------------------------
 class _FakeChunk:
-    def __init__(self, i):
+    def __init__(self, i, shard_in_memory=True):
         self.index, self.state, self.gathers, self.full_bytes = i, ChunkState.SHARDED, 0, 100
+        self.shard_in_memory = shard_in_memory
 
     def start_gather(self, comm):
         self.state, self.gathers = ChunkState.GATHERING, self.gathers + 1
@@ -269,6 +271,84 @@ def test_cache_prefetches_next_recorded_chunk_and_never_evicts_pinned():
     assert chunks[2].state is ChunkState.SHARDED and chunks[0].state is ChunkState.GATHERED
     cache.acquire(chunks[2])  # must gather anyway: over cache_chunks, counted
     assert cache.overflows == 1
+
+
+def test_cache_with_no_cache_chunks_gathers_further_ahead_from_memory_only():
+    """No cache_chunks: UNLIMITED_AHEAD chunks past the next one gather at once, except one whose
+    shard must be read first (host, disk tier), which waits until it is the one past the next;
+    with a cache_chunks, however large, a prefetch stays one past the next."""
+    ahead = cache_module.UNLIMITED_AHEAD
+    n = ahead + 4
+    slow = ahead + 2  # a chunk whose shard is read from the host
+
+    def primed(cache_chunks):
+        chunks = {i: _FakeChunk(i, shard_in_memory=i != slow) for i in range(n)}
+        cache = ChunkCache(Comm(torch.device("cpu")), cache_chunks=cache_chunks, prefetch=True)
+        cache.set_chunks(list(chunks.values()))
+        cache.set_schedule(list(range(n)))
+        return cache, chunks
+
+    def gathering(chunks):
+        return [i for i, c in chunks.items() if c.state is not ChunkState.SHARDED]
+
+    cache, chunks = primed(None)
+    cache.rewind()
+    assert gathering(chunks) == list(range(ahead + 1))  # the next one and UNLIMITED_AHEAD more
+    cache.acquire(chunks[0])
+    assert gathering(chunks) == list(range(ahead + 2))
+    cache.acquire(chunks[1])  # the slow one is UNLIMITED_AHEAD past the next: not yet
+    assert gathering(chunks) == list(range(ahead + 2))
+    for i in range(2, slow - 2):
+        cache.acquire(chunks[i])
+    assert gathering(chunks) == list(range(slow))
+    cache.acquire(chunks[slow - 2])  # now it is the one past the next, and those behind it follow
+    assert gathering(chunks) == list(range(n))
+    assert all(c.gathers == 1 for c in chunks.values())
+
+    cache, chunks = primed(n)
+    cache.rewind()
+    assert gathering(chunks) == [0, 1]
+    cache.acquire(chunks[0])
+    assert gathering(chunks) == [0, 1, 2]
+
+
+def test_issue_handed_over_issues_up_to_the_last_prefetch_and_leaves_later_reductions_to_progress():
+    """A prefetched gather (not polled) is issued, with all handed over before it, at the next
+    use on every rank; a reduction handed over after it goes out when progress() finds its
+    comparison back, not by holding the training thread for it."""
+    from zeroshard.distributed.ordering import Sequencer
+
+    class Comparison:
+        def __init__(self):
+            self.back = False
+
+        def is_completed(self):
+            return self.back
+
+    class Check:  # OrderCheck's start/finish, the comparisons' answers set by hand
+        def __init__(self):
+            self.comparisons, self.waited = [], []
+
+        def start(self, tag):
+            self.comparisons.append(Comparison())
+            return None, self.comparisons[-1], 0
+
+        def finish(self, tag, buf, work, deferred):
+            self.waited.append(tag)
+            work.back = True
+
+    check, issued = Check(), []
+    seq = Sequencer(check, inline=False)
+    for tag, polled in ((1, True), (2, False), (3, True)):  # reduce, prefetched gather, reduce
+        seq.submit(tag, lambda tag=tag: issued.append(tag), polled)
+    assert issued == []  # no comparison back yet
+    seq.issue_handed_over()
+    assert issued == [1, 2] and check.waited == [1, 2]
+    seq.issue_handed_over()  # only a reduction left: nothing waited for
+    assert issued == [1, 2] and check.waited == [1, 2]
+    check.comparisons[2].back = True
+    seq.progress()
+    assert issued == [1, 2, 3]
 
 
 # -- a world of one process, no torchrun environment ---------------------------------------------------

@@ -37,7 +37,8 @@ class Config:
     chunk_size: capacity of one chunk in elements, or 'auto'. A parameter never straddles chunks,
         so the capacity is raised to the largest parameter if needed.
     cache_chunks: how many gathered chunks stage 3 may hold at once (the rCache); None = unlimited.
-    prefetch: stage 3 gathers the next chunk of the recorded order ahead of its use.
+    prefetch: stage 3 gathers the next chunks of the recorded order ahead of their use (up to two
+        with a cache_chunks, into free slots; up to five with none: runtime/cache.py).
     check_order: before every collective a module hook drives, and at each step, ranks compare what
         they are about to do, so ranks whose call order diverges, or that are a micro-batch or a step
         apart, get DivergedError instead of a hang or wrong data (ordering.py). The comparisons run

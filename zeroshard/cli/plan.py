@@ -6,6 +6,7 @@ import dataclasses
 import json
 import warnings
 
+from ..errors import UnsupportedModelError
 from .args import UsageError, parameter_count
 from .model import describe_hardware, example_inputs, load_model, target_hardware
 
@@ -181,6 +182,8 @@ def cmd_plan(args) -> int:
             # A GPU target (described, or this machine's) profiles attention as a GPU runs it.
             gpu = args.gpu_memory is not None or torch.cuda.is_available()
             prof = profile(loaded.model, inputs, dtype=args.precision, device="cuda" if gpu else "cpu")
+    except UnsupportedModelError as e:  # the model itself, whatever the inputs
+        raise UsageError(f"{args.model}: {str(e).removeprefix('zeroshard ')}") from None
     except Exception as e:  # noqa: BLE001: most often inputs that do not suit the model
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise UsageError(f"profiling {args.model} on the meta device failed ({input_words}): "

@@ -273,13 +273,19 @@ class Sequencer:
                 return
 
     def issue_handed_over(self) -> None:
-        """Issue everything handed over so far, waiting for its comparisons (not for the
-        collectives). Called at the same point of the training on every rank, it makes each rank
-        issue the same collectives there; `progress()` issues what is back when it looks, which
-        differs by rank: a prefetched gather issued by one rank and never by another (its engine
-        let go of before a wait) leaves messages that a later gather on the group would take."""
-        if self._queue:
-            self.progress(until=self._queue[-1][-1])
+        """Issue every collective handed over not `polled` (a prefetched gather), and what was
+        handed over before it, waiting for their comparisons (not for the collectives). Called at
+        the same point of the training on every rank, it makes each rank issue the same
+        collectives there; `progress()` issues what is back when it looks, which differs by rank:
+        a prefetched gather issued by one rank and never by another (its engine let go of before a
+        wait) leaves messages that a later gather on the group would take. Polled ones handed over
+        after the last of those (gradient reductions, always waited for) are left to progress():
+        waiting for their comparisons here held each backward module until the other ranks had
+        caught up (gpt2-small-cpu, stage 3: 35-60 ms per backward)."""
+        last = next((entry[-1] for entry in reversed(self._queue) if not entry[-1].polled), None)
+        if last is not None:
+            self.progress(until=last)
+        self.progress()
 
     def drain(self, flush: bool = True) -> None:
         """Issue everything handed over (waiting for its comparisons), and with `flush` compare a

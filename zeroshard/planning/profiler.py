@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..distributed.tensor_parallel import as_dtensor, local, local_shape
 from .meta_counters import AttentionAsOnDevice, AutocastOnMeta, LiveBytes, SavedBytes
-from ..units import BackwardHolds, direct_params, leaf_modules, unit_members
+from ..units import BackwardHolds, direct_params, leaf_modules, refuse_untrainable, unit_members
 
 log = logging.getLogger("zeroshard")
 
@@ -195,6 +195,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         mixture-of-experts blocks config leaf_modules 'auto' finds): the trace names them, not
         their submodules.
     """
+    refuse_untrainable(model)  # a plan for a model initialize would refuse helps no one
     if isinstance(dtype, str):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     t0 = time.perf_counter()

@@ -218,6 +218,12 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
             self.arriving = None
 
     # -- stage 3 gather / release ---------------------------------------------------------------
+    @property
+    def shard_in_memory(self) -> bool:
+        """This rank's shard lies on the device: a gather of it starts without a read first (not
+        from the host, offload_params; not from the parameter tier, 'disk')."""
+        return self.shard_tier is None and not self.placement.params_on_host
+
     def start_gather(self, comm) -> None:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather (hpZ, with the
         secondary shards current: over the secondary group, from them)."""
