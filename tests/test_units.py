@@ -364,6 +364,30 @@ def test_single_process_without_torchrun(monkeypatch):
     assert max_diff(engine.full_state_dict(), ref) <= 1e-6
 
 
+def test_a_tied_output_head_lets_go_of_its_chunk_once_its_own_backward_is_done():
+    """GPT-2's lm_head shares wte's weight: that gradient is whole only at the embedding's backward,
+    the last, so a hold ended by it kept wte's chunk pinned through the whole backward (a 2-chunk
+    rCache then had one slot for every other chunk, and could prefetch none). The hold ends where
+    the gradient reaches lm_head's input, and training matches plain torch."""
+    from models import batches, make_sgd, max_diff, reference, tiny_gpt2, train
+    data = batches(2, 1, 2)
+    ref, _, _ = reference(tiny_gpt2(n_layer=4), data, make_sgd)
+    engine = zeroshard.initialize(tiny_gpt2(n_layer=4), make_sgd, Config(stage=3, cache_chunks=2, chunk_size=20000))
+    pinned_at_backward_uses = []
+    acquire = engine.cache.acquire
+
+    def recording(chunk):
+        if engine.hooks.in_backward:  # the layout is packed anew after the first step: look each time
+            tied = next(c.index for c in engine.layout.chunks if "transformer.wte.weight" in [s.name for s in c.slots])
+            pinned_at_backward_uses.append(tied in engine.cache.pins)
+        acquire(chunk)
+    engine.cache.acquire = recording
+    train(engine, data, 0)
+    assert len(engine.layout.chunks) > 2 and pinned_at_backward_uses
+    assert not any(pinned_at_backward_uses[1:-1])  # after lm_head's, before the embedding's own
+    assert max_diff(engine.full_state_dict(), ref) <= 1e-6
+
+
 def test_bad_optimizer_argument():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="callable"):

@@ -13,9 +13,9 @@ a matmul) are saved as a `ChunkView` (chunk, offset, size, stride) instead, and 
 chunk, gathered again by then, in backward: otherwise every saved weight would keep its gathered
 chunk alive from forward to backward and stage 3 would hold the whole model at its peak.
 
-Outside its module's forward, a stage-3 parameter's entries hold a `ShardedPlaceholder` with the
-parameter's shape, dtype and device: metadata reads work, any computation raises an error that names
-the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
+Outside its module's forward, a stage-3 parameter's entries hold a `ShardedPlaceholder`
+(placeholder.py) with the parameter's shape, dtype and device: metadata reads work, any computation
+raises an error that names the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
 reads a parameter of a submodule that does not run (nn.MultiheadAttention reads out_proj.weight) *borrows*
 it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
 unit (gathered, held for backward and released with that module's own parameters).
@@ -27,100 +27,12 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .chunks import ChunkState
+from .placeholder import ShardedPlaceholder
 from ..errors import ShardedParameterError
 from ..units import BackwardHolds, direct_params, unit_members
-
-_METADATA = {
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__, torch.Tensor.is_leaf.__get__,
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.is_meta.__get__,
-    torch._has_compatible_shallow_copy_type,
-    # None: a gradient lives in its chunk (torch's clip_grad_norm_ on these raises: module_state.py)
-    torch.Tensor.grad.__get__,
-}
-_REQUIRES_GRAD = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}
-
-
-_CASTS = {torch.Tensor.to: None, torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
-          torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64, torch.Tensor.cpu: None}
-
-
-def _unchanged(func, args, kwargs) -> bool:
-    """Whether a cast or move of the placeholder args[0] would return it as it is."""
-    t = args[0]
-    if func is torch.Tensor.cpu:
-        return t.device.type == "cpu"
-    if func is not torch.Tensor.to:
-        return _CASTS[func] == t.dtype
-    with torch._C.DisableTorchFunctionSubclass():
-        device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-    return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
-
-
-class ShardedPlaceholder(torch.Tensor):
-    """Occupies a module's parameter entry while stage 3 holds that parameter sharded."""
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor, shape: torch.Size, dtype, name: str):
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=like.device,
-                                                requires_grad=like.requires_grad)
-        t._zs_name = name
-        t._zs_absorb_copies = False  # inside model.load_state_dict: the value went to the shard already
-        t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, if a forward may read it
-        t._zs_param = None  # the real parameter it stands in for
-        # isinstance(t, nn.Parameter), as the entry it occupies: code that moves a parameter from
-        # one entry to another (torch's parametrize, around peft's LoRA of an MoE's experts) keeps
-        # it a parameter, not a buffer
-        t._is_param = True
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func is torch.Tensor.copy_ and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_absorb_copies:
-            return args[0]
-        if func in _CASTS and isinstance(args[0], ShardedPlaceholder) and _unchanged(func, args, kwargs or {}):
-            return args[0]  # model.to(where it is), model.float() in fp32: nothing to do
-        # nn.Module._apply putting an unchanged placeholder back (`==`: a method-wrapper is made anew each time)
-        if func == torch.Tensor.data.__set__ and args[1] is args[0]:
-            return None
-        if func in _REQUIRES_GRAD and isinstance(args[0], ShardedPlaceholder) and args[0]._zs_param is not None:
-            # freezing or unfreezing through model.parameters(): the real parameter's flag, and its stand-in's
-            func(args[0]._zs_param, *args[1:], **(kwargs or {}))
-            with torch._C.DisableTorchFunctionSubclass():
-                func(*args, **(kwargs or {}))
-            return args[0] if func is torch.Tensor.requires_grad_ else None
-        flat, _ = tree_flatten((args, kwargs or {}))
-        held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
-        borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
-        real = {id(a): borrow(a) for a in held} if borrow is not None else {}
-        if real and all(r is not None for r in real.values()):  # read inside an ancestor's forward
-            args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
-            return func(*args, **kwargs)
-        names = sorted({a._zs_name for a in held})
-        if func is torch.Tensor.__repr__:
-            return f"ShardedPlaceholder({names[0]}, shape={tuple(args[0].shape)})"
-        raise ShardedParameterError(
-            f"zeroshard stage 3: parameter {', '.join(names)} was used by "
-            f"{getattr(func, '__name__', func)} outside the forward of a module that owns it, while "
-            "it is sharded. Use it inside that module's forward (or a module that registers it), "
-            "read engine.full_state_dict(), or use stage <= 2."
-        )
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        # set_ skips __torch_function__; setting a parameter to itself is how torch's
-        # register_parametrization keeps the original in place (peft's LoRA on MoE routers does so
-        # at every forward): nothing changes
-        if func is torch.ops.aten.set_.source_Tensor and len(args) == 2 and args[1] is args[0]:
-            return args[0]
-        raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
 
 
 class ChunkView:
@@ -335,7 +247,7 @@ class Stage3Hooks:
         hold ends when the gradient reaches its inputs. Without that end, a frozen unit, which no
         gradient of its own ends, held its chunks until the backward was over: all of a LoRA
         model's base gathered at once by the end of it."""
-        if unit in self.leaves or not any(p.requires_grad for _, p in self.params_of(unit)):
+        if self._ends_at_inputs(unit):
             return self._pre_forward_leaf(unit, args, kwargs)
         self._pre_forward(unit, args)
         return None
@@ -407,8 +319,19 @@ class Stage3Hooks:
     def _begin_hold(self, unit) -> bool:
         """Hold `unit` in backward (False: held already) until its trainable parameters' gradients
         arrived, or, a leaf or a frozen unit, the gradient reached its inputs (_pre_forward_unit)."""
-        return self.held.begin(unit, None if unit in self.leaves else
+        return self.held.begin(unit, None if unit in self.leaves or self._shares(unit) else
                                {id(p) for _, p in self.params_of(unit) if p.requires_grad})
+
+    def _ends_at_inputs(self, unit) -> bool:
+        """A leaf, a unit none of whose parameters trains, or one sharing a parameter with another
+        unit: its hold ends when the gradient reaches its inputs. A tied parameter's gradient
+        arrives once every use's part is in, so an output head tied to the input embedding held
+        its chunk through the whole backward (a 2-chunk rCache then prefetched nothing: gpt2-small-cpu
+        waited 190 ms a backward for its gathers)."""
+        return unit in self.leaves or self._shares(unit) or not any(p.requires_grad for _, p in self.params_of(unit))
+
+    def _shares(self, unit) -> bool:
+        return any(len(self.owners[id(p)]) > 1 for _, p in self.params_of(unit))
 
     def grad_arrived(self, param: nn.Parameter) -> None:
         for m in self.held.arrived(id(param)):
