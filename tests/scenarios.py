@@ -241,6 +241,39 @@ def eval_no_grad_stage3(rank, world):
     return {"diff": abs(got - want)}
 
 
+@scenario
+def prefetch_issued_on_one_rank_then_a_new_engine(rank, world):
+    """A forward raises on every rank at the same module, after a prefetch was handed over; one rank
+    had polled its comparison back and issued the gather, the others had not (the poll comes at the
+    next hook). The engine is let go of and a new one trains on the same process group: its
+    gathers must not pair with the orphan's messages (Comm.enable_order_checks)."""
+    import time
+    from zeroshard.distributed import collectives
+    cfg = {"stage": 3, "cache_chunks": 2, "chunk_size": 20000}
+    data = batches(3, world, 2)
+    ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
+    first = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
+    train(first, data[:2], rank)  # its values now differ from the second engine's; it prefetches
+
+    def stop(module, inputs, out):
+        if rank == 0:
+            time.sleep(0.3)  # every comparison handed over is back by now
+            first.shards.progress()
+        raise RuntimeError("planted failure in forward")
+    first.module.transformer.h[1].register_forward_hook(stop)
+    x = data[2][0][rank]
+    try:
+        first(input_ids=x, labels=x)
+    except RuntimeError:
+        pass
+    group = dist.group.WORLD if world > 1 else None
+    tags = _gather(collectives._message_tags.get(group, 0) if group is not None else 0, world)
+    del first
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)
+    train(engine, data, rank)
+    return {"tags_before": tags, "diff": max_diff(engine.full_state_dict(), ref)}
+
+
 def _hf_model(kind):
     import transformers
     transformers.logging.set_verbosity_error()

@@ -312,10 +312,11 @@ def test_cache_with_no_cache_chunks_gathers_further_ahead_from_memory_only():
     assert gathering(chunks) == [0, 1, 2]
 
 
-def test_issue_handed_over_issues_up_to_the_last_prefetch_and_leaves_later_reductions_to_progress():
-    """A prefetched gather (not polled) is issued, with all handed over before it, at the next
-    use on every rank; a reduction handed over after it goes out when progress() finds its
-    comparison back, not by holding the training thread for it."""
+def test_progress_issues_what_is_back_in_order_and_issue_handed_over_waits_for_the_rest():
+    """A poll (each chunk use) issues, oldest first, the collectives whose comparisons are back,
+    prefetched gathers included, and waits for none: a use that waited for the last prefetch's
+    comparison held each module until the other ranks caught up. issue_handed_over, at points
+    every rank reaches alike, issues everything, waiting for the comparisons."""
     from zeroshard.distributed.ordering import Sequencer
 
     class Comparison:
@@ -334,21 +335,26 @@ def test_issue_handed_over_issues_up_to_the_last_prefetch_and_leaves_later_reduc
             return None, self.comparisons[-1], 0
 
         def finish(self, tag, buf, work, deferred):
-            self.waited.append(tag)
+            if not work.back:
+                self.waited.append(tag)
             work.back = True
 
     check, issued = Check(), []
     seq = Sequencer(check, inline=False)
-    for tag, polled in ((1, True), (2, False), (3, True)):  # reduce, prefetched gather, reduce
-        seq.submit(tag, lambda tag=tag: issued.append(tag), polled)
-    assert issued == []  # no comparison back yet
-    seq.issue_handed_over()
-    assert issued == [1, 2] and check.waited == [1, 2]
-    seq.issue_handed_over()  # only a reduction left: nothing waited for
-    assert issued == [1, 2] and check.waited == [1, 2]
-    check.comparisons[2].back = True
+    for tag in (1, 2, 3):  # reduce, prefetched gather, reduce
+        seq.submit(tag, lambda tag=tag: issued.append(tag))
     seq.progress()
-    assert issued == [1, 2, 3]
+    assert issued == []  # no comparison back yet
+    check.comparisons[0].back = check.comparisons[2].back = True
+    seq.progress()
+    assert issued == [1] and check.waited == []  # 3 goes out after 2, whose answer is not back
+    check.comparisons[1].back = True
+    seq.progress()
+    assert issued == [1, 2, 3] and check.waited == []
+    for tag in (4, 5):
+        seq.submit(tag, lambda tag=tag: issued.append(tag))
+    seq.issue_handed_over()
+    assert issued == [1, 2, 3, 4, 5] and check.waited == [4, 5]
 
 
 # -- a world of one process, no torchrun environment ---------------------------------------------------

@@ -141,6 +141,7 @@ class Engine(EngineIO):
             self._arrivals.settle()
         if self.hooks is not None:
             self.hooks.close_open_forwards()
+            self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
             self.cache.rewind()  # every forward (micro-batch or evaluation) replays the schedule
         tracking = self.timeline is not None and self.timeline.recording
         if torch.is_grad_enabled() and self.saved.needed(self.timeline):
@@ -152,6 +153,8 @@ class Engine(EngineIO):
             self.fix_layout(self.layout.first_use_order(self.params))
         if tracking:
             self.timeline.sample("forward")
+        if self.hooks is not None and not torch.is_grad_enabled():  # no backward's end issues them
+            self.shards.issue_handed_over()
         self._settle()  # chunks this forward did not use
         return out
 

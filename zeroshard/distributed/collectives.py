@@ -168,10 +168,16 @@ class Comm:
         if self.world > 1 and self.sequencer is None:
             ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
             # A new check group on every rank if any rank lacks one (after a divergence, only the
-            # ranks that saw it know that the old one holds unpaired comparisons).
-            renew = torch.tensor([0.0 if has_check_group(self.group) else 1.0], device=self.control_device)
-            self.control_all_reduce(renew, dist.ReduceOp.MAX)
-            check = OrderCheck(check_group(self.group, ranks, renew=bool(renew.item())), self.rank,
+            # ranks that saw it know that the old one holds unpaired comparisons). And the
+            # all-gathers' message tags go on from the highest any rank used: an engine let go of
+            # mid-forward may have issued a prefetch on one rank only (ordering.py's Note:
+            # prefetches handed over), whose messages must pair with no gather of this one.
+            key = self.group if self.group is not None else dist.group.WORLD
+            agreed = torch.tensor([0.0 if has_check_group(self.group) else 1.0, _message_tags.get(key, 0)],
+                                  dtype=torch.float64, device=self.control_device)
+            self.control_all_reduce(agreed, dist.ReduceOp.MAX)
+            _message_tags[key] = int(agreed[1].item())
+            check = OrderCheck(check_group(self.group, ranks, renew=bool(agreed[0].item())), self.rank,
                                where=self._where, timeout_s=self.timeout_s)
             self.sequencer = Sequencer(check, inline=self.device.type == "cuda")
 
@@ -181,8 +187,8 @@ class Comm:
             self.sequencer.progress()
 
     def issue_handed_over(self) -> None:
-        """Issue the tagged collectives handed over so far, at a point every rank reaches alike
-        (Sequencer.issue_handed_over)."""
+        """Issue the tagged collectives handed over so far, waiting for their order checks, at a
+        point every rank reaches alike (ordering.py's Note: prefetches handed over)."""
         if self.sequencer is not None:
             self.sequencer.issue_handed_over()
 
@@ -200,14 +206,12 @@ class Comm:
         if self.sequencer is not None:
             self.sequencer.announce(order_tag(kind, 0, self.pass_index), alone)
 
-    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective",
-               polled: bool = True):
+    def _issue(self, tag: tuple[int, int] | None, collective, async_op: bool, purpose: str = "finish a collective"):
         """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
         over, its caller having compared a tag for the batch (ordering.PUBLISH). A lost or stopped
-        peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step.
-        `polled`: see Sequencer.submit."""
+        peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step."""
         if self.closed:
             raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
         what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
@@ -220,7 +224,7 @@ class Comm:
         if self.sequencer is None:
             work = collective()
         elif tag is not None:
-            work = self.sequencer.submit(order_tag(*tag, self.pass_index), collective, polled)
+            work = self.sequencer.submit(order_tag(*tag, self.pass_index), collective)
         elif async_op:
             self.sequencer.drain()
             work = collective()
@@ -308,8 +312,7 @@ class Comm:
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
-        # A gather may be a prefetch never waited for (its engine let go of): issued alike by every rank
-        return self._issue(tag, collective, async_op, "all-gather a chunk", polled=False)
+        return self._issue(tag, collective, async_op, "all-gather a chunk")
 
     def _all_gather_p2p(self, full: torch.Tensor, shard: torch.Tensor) -> AllOf:
         """gloo's all-gather as point-to-point messages: each rank sends its shard to every other

@@ -121,13 +121,12 @@ class ChunkCache:
                     self._bytes -= chunk.full_bytes
                 raise
         self.pins[chunk.index] = self.pins.get(chunk.index, 0) + 1
-        # A prefetch handed to the order check is issued only once its comparison is back and
-        # someone asks: every use issues those handed over at earlier uses, or a prefetch would
-        # start only when waited for (gpt2-small-cpu's forward waited 50 ms for its chunks'
-        # gathers then, 13.5 ms now). At a use, not whenever a comparison is back: every rank
-        # then issues the same gathers (Sequencer.issue_handed_over says why that matters).
-        # After the pin: a peer lost here leaves the chunk pinned, as its release expects.
-        self.comm.issue_handed_over()
+        # A prefetch handed to the order check is issued once its comparison is back and someone
+        # looks: every use looks, or a prefetch would start only when waited for (gpt2-small-cpu's
+        # forward waited 50 ms for its chunks' gathers then, 13.5 ms now). It does not wait for
+        # one (ordering.py's Note: prefetches handed over). After the pin: a peer lost here
+        # leaves the chunk pinned, as its release expects.
+        self.comm.progress()
         self._maybe_prefetch()
 
     def pin(self, chunk: Chunk) -> None:
