@@ -169,9 +169,9 @@ class Comm:
             ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
             # A new check group on every rank if any rank lacks one (after a divergence, only the
             # ranks that saw it know that the old one holds unpaired comparisons). And the
-            # all-gathers' message tags go on from the highest any rank used: an engine let go of
-            # mid-forward may have issued a prefetch on one rank only (ordering.py's Note:
-            # prefetches handed over), whose messages must pair with no gather of this one.
+            # all-gathers' message tags go on from the highest any rank used: ranks that handed
+            # over different gathers (a divergence) must pair none of this engine's with those
+            # (ordering.py's Note: prefetches handed over).
             key = self.group if self.group is not None else dist.group.WORLD
             agreed = torch.tensor([0.0 if has_check_group(self.group) else 1.0, _message_tags.get(key, 0)],
                                   dtype=torch.float64, device=self.control_device)
@@ -307,22 +307,24 @@ class Comm:
                 host = torch.empty(full.shape, dtype=full.dtype)
                 return staged(_all_gather_single(host, shard.cpu(), group=self.group, async_op=True), host, full)
         elif self.gloo:
+            message_tag = _next_message_tag(self.group)  # fixed when handed over, not when issued
+
             def collective():
-                return self._all_gather_p2p(full, shard)
+                return self._all_gather_p2p(full, shard, message_tag)
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
         return self._issue(tag, collective, async_op, "all-gather a chunk")
 
-    def _all_gather_p2p(self, full: torch.Tensor, shard: torch.Tensor) -> AllOf:
+    def _all_gather_p2p(self, full: torch.Tensor, shard: torch.Tensor, tag: int) -> AllOf:
         """gloo's all-gather as point-to-point messages: each rank sends its shard to every other
         and receives theirs straight into `full`. gloo's own all-gather took 1.5-3.5x as long here
         (2 ranks on 2 cores: 13 MB 7.9 vs 5.1 ms, 17 MB 10.6 vs 5.8 ms, 93 MB 98 vs 28 ms; 3 ranks
-        13 MB 12.1 vs 7.5 ms). The messages of one all-gather share a tag that every rank counts
-        alike, per process group (every rank issues the same all-gathers on it in the same order,
-        whichever engine or Comm issues them), so two in flight never take each other's."""
+        13 MB 12.1 vs 7.5 ms). The messages of one all-gather share `tag`, counted per process
+        group as the all-gathers are handed over (every rank hands over the same ones on it in the
+        same order, whichever engine or Comm does), so two in flight never take each other's, and
+        one issued on one rank only (ordering.py's Note: prefetches handed over) takes no other's."""
         s = shard.numel()
-        tag = _next_message_tag(self.group)
         own = full[self.rank * s:(self.rank + 1) * s]
         if own.data_ptr() != shard.data_ptr():
             own.copy_(shard)

@@ -43,16 +43,16 @@ one sequence on the group. With CUDA tensors each comparison is made before issu
 tensors: a host round trip per collective, never a host-device synchronisation.
 
 Note: prefetches handed over. A prefetched gather may never be waited for (a forward that ends
-before the chunk's use, an engine let go of), so a rank that issued it and a rank that did not would
-leave its messages to a later gather on the group. It is issued as any other collective, when a
-poll finds its comparison back, and `issue_handed_over` issues whatever is left at points every
-rank reaches alike: a forward's start, and its end when no backward follows (the engine); a
-backward's end waits for its reductions, handed over after it. Issuing it only at such a point (the
-next chunk use) made every chunk use wait for the other ranks to reach it: gpt2-small-cpu, 2
-ranks on 2 cores, stepped in 1.112 -> 1.067x DDP's time with a 2-chunk rCache and 1.040 -> 1.025x
-with an unlimited one (interleaved, the old issue patched back into one engine). What an engine let
-go of mid-forward leaves issued on one rank only, the next engine's set-up skips over
-(Comm.enable_order_checks).
+before the chunk's use, an engine let go of), and may then be issued on one rank and not on
+another. It is issued as any other collective, when a poll finds its comparison back, and
+`issue_handed_over` issues whatever is left at points every rank reaches alike: a forward's start,
+and its end when no backward follows (the engine); a backward's end waits for its reductions,
+handed over after it. So that a gather issued on one rank only takes no later gather's messages,
+its message tag is fixed when it is handed over (Comm.all_gather), and an engine's set-up takes the
+group's tags past any a rank used (Comm.enable_order_checks: a divergence leaves ranks apart).
+Issuing it only at a chunk use, as before, made every chunk use wait for the other ranks to reach
+it: gpt2-small-cpu, 2 ranks on 2 cores, stepped in 1.112 -> 1.067x DDP's time with a 2-chunk rCache
+and 1.040 -> 1.025x with an unlimited one (interleaved, the old issue patched back into one engine).
 """
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ Note: prefetch depth. With a cache_chunks every slot is spoken for, so a prefetc
 past the next at most, and only into a free slot. With none, chunks stay gathered until the step
 anyway, so gathering further ahead costs no memory at the forward's end, and each use finds its
 chunk long arrived: with UNLIMITED_AHEAD 4 against 1, gpt2-small-cpu's stage-3 forward went 0.43
--> 0.41 s in four interleaved runs of five (2 ranks, 2 cores; the fifth read 0.45 both ways). Not further: each gather issued is a comparison round
-trip before it, and hundreds issued at a forward's start would hold its first compute back.
+-> 0.41 s in four interleaved runs of five (2 ranks, 2 cores; the fifth read 0.45 both ways). Not
+further: each gather handed over is a comparison first, and hundreds handed over at a forward's
+start would hold its first compute back.
 Chunks whose shards are read from the host or the disk tier stay one ahead (their start waits on
 that read).
 
