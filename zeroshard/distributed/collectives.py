@@ -121,8 +121,12 @@ def _group_timeout(group) -> datetime.timedelta | None:
 _message_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _tag_key(group):
+    return group if group is not None else dist.group.WORLD
+
+
 def _next_message_tag(group) -> int:
-    key = group if group is not None else dist.group.WORLD
+    key = _tag_key(group)
     tag = _message_tags[key] = (_message_tags.get(key, 0) + 1) & 0xFFFFFFF
     return tag
 
@@ -172,11 +176,11 @@ class Comm:
             # all-gathers' message tags go on from the highest any rank used: ranks that handed
             # over different gathers (a divergence) must pair none of this engine's with those
             # (ordering.py's Note: prefetches handed over).
-            key = self.group if self.group is not None else dist.group.WORLD
-            agreed = torch.tensor([0.0 if has_check_group(self.group) else 1.0, _message_tags.get(key, 0)],
+            agreed = torch.tensor([0.0 if has_check_group(self.group) else 1.0,
+                                   _message_tags.get(_tag_key(self.group), 0)],
                                   dtype=torch.float64, device=self.control_device)
             self.control_all_reduce(agreed, dist.ReduceOp.MAX)
-            _message_tags[key] = int(agreed[1].item())
+            _message_tags[_tag_key(self.group)] = int(agreed[1].item())
             check = OrderCheck(check_group(self.group, ranks, renew=bool(agreed[0].item())), self.rank,
                                where=self._where, timeout_s=self.timeout_s)
             self.sequencer = Sequencer(check, inline=self.device.type == "cuda")

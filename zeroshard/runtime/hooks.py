@@ -15,9 +15,9 @@ chunk alive from forward to backward and stage 3 would hold the whole model at i
 
 Outside its module's forward, a stage-3 parameter's entries hold a `ShardedPlaceholder`
 (placeholder.py) with the parameter's shape, dtype and device: metadata reads work, any computation
-raises an error that names the parameter, instead of silently reading a freed buffer. One exception: a module whose forward
-reads a parameter of a submodule that does not run (nn.MultiheadAttention reads out_proj.weight) *borrows*
-it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
+raises an error that names the parameter, instead of silently reading a freed buffer. One exception:
+a module whose forward reads a parameter of a submodule that does not run (nn.MultiheadAttention
+reads out_proj.weight) *borrows* it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
 unit (gathered, held for backward and released with that module's own parameters).
 """
 from __future__ import annotations
@@ -326,8 +326,8 @@ class Stage3Hooks:
         """A leaf, a unit none of whose parameters trains, or one sharing a parameter with another
         unit: its hold ends when the gradient reaches its inputs. A tied parameter's gradient
         arrives once every use's part is in, so an output head tied to the input embedding held
-        its chunk through the whole backward (a 2-chunk rCache then prefetched nothing: gpt2-small-cpu
-        waited 190 ms a backward for its gathers)."""
+        its chunk through the whole backward (a 2-chunk rCache then prefetched nothing:
+        gpt2-small-cpu waited 190 ms a backward for its gathers)."""
         return unit in self.leaves or self._shares(unit) or not any(p.requires_grad for _, p in self.params_of(unit))
 
     def _shares(self, unit) -> bool:
