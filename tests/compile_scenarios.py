@@ -15,6 +15,8 @@ import functools
 import torch
 import torch.nn as nn
 
+import zeroshard
+
 from distributed import WorldResults, record
 from models import inputs, make_adamw, make_sgd, parity
 
@@ -95,6 +97,29 @@ SCENARIOS["adamw_offload_stage2"] = functools.partial(
 SCENARIOS["checkpointing_stage3"] = functools.partial(compiled_parity, stage=3, checkpoint=True)
 SCENARIOS["checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True)
 SCENARIOS["no_blocks_stage2"] = functools.partial(compiled_parity, stage=2, build=Flat)
+
+
+def arrivals_per_block(rank, world, stage=1):
+    """Compiled stages 1-2: the chunks still arriving (an update's all-gather not yet waited for)
+    as each block's forward begins, per step: a block waits for its own chunks only, in its hook
+    outside its graph, so later blocks' chunks are still arriving at the first block."""
+    seen = []
+
+    def loss(model, x, k, *_):
+        if isinstance(model, zeroshard.Engine):  # not the plain reference
+            if k == 0:
+                for block in model.module.layers:  # before the engine's own block hooks (made at compile)
+                    block.register_forward_pre_hook(
+                        lambda *_: seen[-1].append(sum(c.arriving is not None for c in model.chunks)))
+            seen.append([])
+        return model(x).pow(2).mean()
+    fresh_dynamo()
+    engine, diff = parity(rank, world, Layers, loss, inputs(4, world, 4, 8), make_sgd,
+                          {"stage": stage, "chunk_size": 300, "compile": EAGERLIKE})
+    return {"diff": diff, **dynamo_counts(), "arriving": seen, "chunks": len(engine.chunks)}
+
+
+SCENARIOS["arrivals_per_block_stage1"] = arrivals_per_block
 SCENARIOS["no_blocks_stage3"] = functools.partial(compiled_parity, stage=3, build=Flat)  # ConfigError
 
 

@@ -12,7 +12,7 @@ from distributed import ok
 RESULTS = COMPILE  # read by the `res` fixture (conftest.py)
 
 
-COMPILED = [name for name in SCENARIOS if name != "no_blocks_stage3"]
+COMPILED = [name for name in SCENARIOS if name not in ("no_blocks_stage3", "arrivals_per_block_stage1")]
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -32,6 +32,22 @@ def test_no_graph_break_and_one_graph_per_compiled_code(res, name):
     assert got["breaks"] == 0, got
     assert got["graphs"] == 1 and got["recompile_limit_hits"] == 0, got
     assert got["compiled"] == (["Flat"] if name.startswith("no_blocks") else ["Block"] * 3), got
+
+
+def test_compiled_blocks_wait_for_their_own_chunks_only(res):
+    """Stages 1-2: each compiled block waits for its chunks in its hook (outside its graph), so the
+    later blocks' chunks are still arriving when the first block starts, as in eager mode, with no
+    graph break; before, a compiled forward waited for every chunk at its start. Step 0 has no
+    update arriving; at world 1 nothing arrives (no all-gather)."""
+    r, world = res
+    got = ok(r, "arrivals_per_block_stage1")
+    assert got["diff"] <= 1e-5 and got["breaks"] == 0 and got["graphs"] == 1, got
+    assert got["arriving"][0] == [0, 0, 0], got
+    for at_blocks in got["arriving"][1:]:
+        if world == 1:
+            assert at_blocks == [0, 0, 0], got
+        else:  # block k's hook waited for its chunks: fewer are left at each next block
+            assert at_blocks[0] > at_blocks[1] > at_blocks[2] > 0, got
 
 
 def test_stage_3_refuses_to_compile_a_model_without_layer_blocks(res):

@@ -137,7 +137,9 @@ class Engine(EngineIO):
         if self._micro_layout_final and self._compiler is not None and self.compiled is None:
             self.compiled = compile_model(self.module, self.leaves if self.stage == 3 else layer_blocks(self.module),
                                           self._compiler)
-        if self.compiled and self._arrivals is not None:  # a graph cannot wait per module (compiled.py)
+            if self._arrivals is not None and self.compiled != [self.module]:
+                self._arrivals.wait_per_block(self.compiled)
+        if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)
             self._arrivals.settle()
         if self.hooks is not None:
             self.hooks.close_open_forwards()

@@ -27,7 +27,8 @@ class ArrivalHooks:
     def __init__(self, model: nn.Module, chunks_of):
         self.chunks_of = chunks_of
         self.guard = ArrivalGuard()
-        self._handles = [m.register_forward_pre_hook(self._pre) for m in model.modules() if direct_params(m)]
+        self._handles = {m: m.register_forward_pre_hook(self._pre) for m in model.modules() if direct_params(m)}
+        self._block_chunks: dict[nn.Module, list] = {}  # compiled block -> the chunks of every parameter in it
 
     def arm(self, chunks) -> None:
         """Guard reads of the chunks now arriving (call after publishing an update)."""
@@ -38,15 +39,41 @@ class ArrivalHooks:
             for c in self.chunks_of(module):
                 self.guard.arrived(c)
 
+    def wait_per_block(self, blocks: list[nn.Module]) -> None:
+        """Compiled blocks (compiled.py): each waits, before its graph runs, for the chunks of every
+        parameter in it, and its graph runs with the guard off the mode stack (dynamo would trace
+        the guard into it, and a graph cannot wait); the modules inside no longer wait on their own.
+        So later blocks' chunks still arrive while earlier blocks compute, as in eager mode. Code
+        outside the blocks runs eagerly, its reads guarded as before."""
+        for b in blocks:
+            chunks = []
+            for m in b.modules():
+                h = self._handles.pop(m, None)
+                if h is not None:
+                    h.remove()
+                chunks += [c for c in self.chunks_of(m) if c not in chunks]
+            self._block_chunks[b] = chunks
+            self._handles[(b, "pre")] = b.register_forward_pre_hook(self._pre_block)
+            self._handles[(b, "post")] = b.register_forward_hook(self._post_block, always_call=True)
+
+    def _pre_block(self, block, args):
+        if self.guard.armed:
+            for c in self._block_chunks[block]:
+                self.guard.arrived(c)
+            self.guard.suspend()
+
+    def _post_block(self, block, args, out):
+        self.guard.resume()
+
     def settle(self) -> None:
         """Wait for every chunk still arriving and remove the guard."""
         self.guard.watch([])
 
     def remove(self) -> None:
         self.settle()
-        for h in self._handles:
+        for h in self._handles.values():
             h.remove()
-        self._handles = []
+        self._handles = {}
 
 
 class ArrivalGuard(TorchFunctionMode):
@@ -57,11 +84,13 @@ class ArrivalGuard(TorchFunctionMode):
         super().__init__()
         self.pending: dict[int, object] = {}  # storage address -> chunk whose data is arriving
         self.armed = False  # on the torch function mode stack
+        self.suspended = False  # taken off the stack while a compiled block runs (suspend)
 
     def watch(self, chunks) -> None:
         """Wait for the chunks watched so far; then watch `chunks` (armed iff there are any)."""
         for c in list(self.pending.values()):
             c.await_arrival()
+        self.suspended = False
         if chunks and not self.armed:
             self._sweep()
         if not self.armed and torch._C._len_torch_function_stack():
@@ -82,6 +111,27 @@ class ArrivalGuard(TorchFunctionMode):
             chunk.await_arrival()
         if not self.pending:
             self._disarm()
+
+    def suspend(self) -> None:
+        """Leave the mode stack while a compiled block runs, still watching what is pending."""
+        if self.armed:
+            self._disarm()
+            self.suspended = True
+
+    def resume(self) -> None:
+        """After a compiled block: back on the mode stack if chunks are still pending. Only onto an
+        empty stack, as `watch` arms: a mode the block left entered would otherwise pop this one at
+        its exit; the pending chunks are waited for now instead."""
+        if not self.suspended:
+            return
+        self.suspended = False
+        if not self.pending:
+            return
+        if torch._C._len_torch_function_stack():
+            self.watch([])
+            return
+        torch._C._push_on_torch_function_stack(self)
+        self.armed = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

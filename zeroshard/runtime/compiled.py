@@ -10,8 +10,10 @@ hooks stay outside its graph, as FSDP2's users compile each block they shard.
   weight saved for backward is still kept by reference to its chunk (saved_tensors.py) and the
   block's chunks are released between its forward and its backward.
 - Stages 1-2: the arrival hooks (arrival.py) would wait inside a block's graph for its chunks, which
-  a graph cannot do without a break. A compiled model's forward therefore first waits for every
-  chunk still arriving: the updated chunks' all-gathers no longer overlap the forward.
+  a graph cannot do without a break. Each compiled block therefore waits in its own hook, outside
+  its graph, for the chunks of every parameter in it, and its graph runs with the arrival guard
+  off the mode stack (ArrivalHooks.wait_per_block): later blocks' chunks still arrive while earlier
+  blocks compute. A model compiled whole (no blocks) waits for every chunk before its forward.
 - A gradient reaches its chunk through autograd's hooks on the parameter, outside any graph.
 - Code outside the blocks (embeddings, the head, the loss) runs eagerly, and a front end may patch
   the root module's forward (Lightning redirects it to training_step) without undoing a compile.
