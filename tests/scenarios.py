@@ -476,11 +476,10 @@ def desync_after_a_skipped_step_stage0(rank, world):
     return {"ranks": _gather(mine, world)}
 
 
-@scenario
-def desync_after_a_caught_step_error(rank, world):
-    """Rank 0's optimizer step raises after the step's first collective (the clipping norm); it
-    catches the error and trains on, a step behind the others, which went on to the step's
-    all-gathers: every rank must get DivergedError, never a hang."""
+def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
+    """Rank 0's optimizer step raises after the step's first collective (the control all-reduce,
+    with the clipping norm); it catches the error and trains on, a step behind the others, which
+    went on to the step's all-gathers: every rank must get DivergedError, never a hang."""
     import time
     from zeroshard import DivergedError
     if world == 1:
@@ -495,7 +494,7 @@ def desync_after_a_caught_step_error(rank, world):
             return super().step(closure)
 
     engine = zeroshard.initialize(tiny_gpt2(), lambda ps: FailingSGD(ps, lr=0.05, momentum=0.9),
-                                  {"stage": 2, "chunk_size": 4000, "clip_grad_norm": 1.0})
+                                  {"stage": stage, "chunk_size": 4000, "clip_grad_norm": clip})
     t0 = time.perf_counter()
     try:
         for k, step in enumerate(data):
@@ -511,6 +510,11 @@ def desync_after_a_caught_step_error(rank, world):
     else:
         mine = {"raised": None}
     return {"ranks": _gather(mine, world)}
+
+
+SCENARIOS["desync_after_a_caught_step_error"] = desync_after_a_caught_step_error
+SCENARIOS["desync_after_a_caught_step_error_stage1"] = \
+    lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=1, clip=None)
 
 
 # -- delayed parameter update (ZeRO-Offload's DPU) ---------------------------------------------------

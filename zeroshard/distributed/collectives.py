@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .buffers import BufferPool
 from .works import AllOf, Then, Timed, finish_held, staged
-from .ordering import (OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
+from .ordering import (FAILED_STEP, OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
                        describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
                        wait_for, waiting)
 
@@ -202,6 +202,13 @@ class Comm:
         if self.sequencer is not None:
             self.sequencer.agree(order_tag(kind, 0, self.pass_index))
 
+    def mark_failed_step(self) -> None:
+        """With order checks on: this rank's optimizer step raised after every rank agreed to apply
+        it; its next comparison says so (ordering.FAILED_STEP), and every rank raises DivergedError
+        there unless all of them failed alike."""
+        if self.sequencer is not None:
+            self.sequencer.check.mark(order_tag(FAILED_STEP, 0, self.pass_index))
+
     def announce(self, kind: int, alone: bool = False) -> None:
         """As agree, without waiting: the DivergedError comes before the result of the next
         collective on this group is read (Sequencer.announce, phase_alone). For a phase that changes
@@ -214,7 +221,7 @@ class Comm:
         """Issue `collective()` (async, returns its work). With order checks on: a tagged one once
         every rank handed over the same tag; an untagged blocking one after comparing a tag of its
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
-        over, its caller having compared a tag for the batch (ordering.PUBLISH). A lost or stopped
+        over (ordering.py says why they need no comparison of their own). A lost or stopped
         peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step."""
         if self.closed:
             raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")

@@ -21,14 +21,18 @@ Which collectives compare what:
   (`progress`) and waits only where it needs a collective's result, as it would anyway
   (`Ticket.wait`): no barrier per chunk, so ranks may run a few modules apart (Note: prefetches
   handed over).
-- a step and a checkpoint: a tag of their own on entry (STEP, CHECKPOINT); the all-gathers of an
-  update: one tag for the batch, once the update is computed (PUBLISH), so a rank whose step raised
-  half-way never pairs its next collectives with them. STEP is compared without waiting
-  (`Sequencer.announce`): the comparison is finished before the result of the step's first
-  collective is read. A step without a collective (stage 0, no clipping) sends no comparison of
-  its own: its tag rides in the next comparison's message (`OrderCheck.defer`; every message
-  carries a deferred tag, 0 where there is none), so a rank out of step applies its update and
-  raises at its next collective, on every rank, and each step saves a round trip.
+- a step and a checkpoint: a tag of their own on entry (STEP, CHECKPOINT). The all-gathers of an
+  update go out at once, with no comparison: a rank whose update raises after the step's control
+  all-reduce (once every rank agreed to apply it) issues the same all-gathers and marks its next
+  comparison (FAILED_STEP, where a deferred tag goes), so no rank waits for gathers that never
+  come and every rank raises at the next comparison; comparing a tag for them first (PUBLISH)
+  cost every step a round trip (gpt2-tiny, 2 ranks on 2 cores: the step phase 14 -> 12 ms). A
+  delayed update, which lands a step after it ran, still compares PUBLISH. STEP is compared
+  without waiting (`Sequencer.announce`): the comparison is finished before the result of the
+  step's first collective is read. A step without a collective (stage 0, no clipping) sends no
+  comparison of its own: its tag rides in the next comparison's message (`OrderCheck.defer`; every
+  message carries a deferred tag, 0 where there is none), so a rank out of step applies its update
+  and raises at its next collective, on every rank, and each step saves a round trip.
 - blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
   except the first one after a phase tag with nothing handed over between (the step's control
   all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's
@@ -81,11 +85,12 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 # Kinds of tags. A tag is (micro-batch mod 2^20) << 40 | kind << 32 | chunk index.
-GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH, SHARD_READ = 1, 2, 3, 4, 5, 6, 7
+GATHER, REDUCE, STEP, CHECKPOINT, OTHER, PUBLISH, SHARD_READ, FAILED_STEP = 1, 2, 3, 4, 5, 6, 7, 8
 _WHAT = {GATHER: "gather chunk {i}", REDUCE: "reduce the gradients of chunk {i}",
          STEP: "run the optimizer step", CHECKPOINT: "save or load a checkpoint or state dict",
          OTHER: "issue a blocking collective (a norm, a flag, a checkpoint's objects)",
          PUBLISH: "all-gather the updated parameters",
+         FAILED_STEP: "carry on after its optimizer step raised",
          SHARD_READ: "tell whether chunk {i}'s shard was read from the parameter tier"}
 
 
@@ -169,6 +174,11 @@ class OrderCheck:
         every rank that agrees on it. A rank that skipped the phase carries 0 there, and both raise."""
         self.raise_if_failed()
         self.flush()  # two phases with no comparison between: the first goes alone
+        self._deferred = tag
+
+    def mark(self, tag: int) -> None:
+        """The next comparison carries `tag` where the deferred phase tag goes (replacing any): a
+        rank marks a failure of its own that the others must hear of there (FAILED_STEP)."""
         self._deferred = tag
 
     def start(self, tag: int) -> tuple[torch.Tensor, object, int]:

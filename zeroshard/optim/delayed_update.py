@@ -107,5 +107,5 @@ class DelayedUpdate:
         for c in self.chunks:
             slot = self._delay_staging[id(c)]
             slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
-        self._gather_updated()
+        self._gather_updated(compare=True)  # a rank whose background step failed raised above
         return True

@@ -173,11 +173,17 @@ class ShardedOptimizer(DelayedUpdate):
             return True
         self._writes.carry()
         grads = sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks])
-        applied, overflow, norm = self._update(grads, self._grads_seen(), self._inv_scale(), self.comm, self.optimizer,
-                                               self._copy_target, self._publish)
+        agreed = []  # _update appends to it once every rank agreed to apply this update
+        try:
+            applied, overflow, norm = self._update(grads, self._grads_seen(), self._inv_scale(), self.comm,
+                                                   self.optimizer, self._copy_target, self._publish, agreed)
+        except BaseException:
+            if agreed:
+                self._gather_after_failure()
+            raise
         if applied:
             self.applied_updates += 1
-            self._gather_updated()
+            self._gather_updated(compare=False)
         self._account(applied, overflow, norm)
         return applied
 
@@ -213,7 +219,8 @@ class ShardedOptimizer(DelayedUpdate):
         """Per chunk, the slots that got a gradient on this rank since the last step (a copy)."""
         return [set(c.slots_with_grad) for c in self.chunks]
 
-    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish) -> tuple[bool, bool, float | None]:
+    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish, agreed: list | None = None
+                ) -> tuple[bool, bool, float | None]:
         """One update from the chunks' reduced gradients (compute dtype, summed over ranks and
         micro-batches) and the slots that got one on this rank (`seen`, per chunk): which
         parameters got a gradient on any rank, fp16 overflow check, clipping, the step, and
@@ -221,7 +228,9 @@ class ShardedOptimizer(DelayedUpdate):
         host step one at a time, each with its fp32 gradient made just before and dropped just after
         (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
-        no parameter got a gradient on any rank (torch's step then changes nothing)."""
+        no parameter got a gradient on any rank (torch's step then changes nothing). `agreed`: a
+        list that gets an item once every rank agreed to apply the update (it then applies or
+        raises)."""
         scale_in_place([None if self._scaled_on_arrival(c) else g for c, g in zip(self.chunks, grads)], inv)
         exact = self.clip is not None
         # Stage 0: every rank holds the whole gradient: one rank measures it for clipping (the
@@ -247,6 +256,8 @@ class ShardedOptimizer(DelayedUpdate):
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
+        if agreed is not None:
+            agreed.append(True)
         norm = math.sqrt(sq) if self.measure_norm else None
         coef = None  # the clipping factor, None when the gradient is left as it is
         if self.clip is not None:
@@ -400,17 +411,31 @@ class ShardedOptimizer(DelayedUpdate):
         copied = getattr(opt, "copied", ())
         return bool(c.pieces) and all(id(pc.param) in copied for pc in c.pieces)
 
-    def _gather_updated(self) -> None:
+    def _gather_updated(self, compare: bool = True) -> None:
         """Stages 1-2: start every updated chunk's all-gather, which gives every rank the whole
         updated chunk; step() does not wait: the chunk *arrives* (Chunk.arriving, arrival.ArrivalHooks).
-        Issued only after every rank finished its update (a rank whose step raised half-way
-        never pairs its next collectives with these)."""
+        `compare`: first compare a tag (PUBLISH) so a rank whose update failed never pairs its
+        next collectives with these (a delayed update, which lands a step later). step()'s own
+        update issues them at once: a rank whose update raises issues them too
+        (_gather_after_failure), saving the step a round trip."""
         if self.stage not in (1, 2) or self.shards.world == 1:
             return
-        self.comm.agree(PUBLISH)
+        if compare:
+            self.comm.agree(PUBLISH)
         for c in self.chunks:
             c.await_arrival()  # a delayed update's upload into the shard the gather reads
             c.expect_arrival(self.shards.all_gather_owned(c.full, async_op=True))
+
+    def _gather_after_failure(self) -> None:
+        """This rank's update raised after every rank agreed to apply it, and the other ranks issue
+        their all-gathers without comparing first: issue the same ones (this rank's shards as they
+        are), so no rank waits for a gather that never comes, and mark this rank's next order
+        comparison (ordering.FAILED_STEP): every rank raises DivergedError there, before any of
+        them steps on a model this rank's failure left half-updated."""
+        try:
+            self._gather_updated(compare=False)
+        finally:
+            self.comm.mark_failed_step()
 
     def await_arrivals(self) -> None:
         """Wait for every chunk still arriving (uploads of a landed update, all-gathers of an update:
