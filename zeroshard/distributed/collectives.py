@@ -4,7 +4,7 @@ Every collective zeroshard issues goes through `Comm`, which
 - counts payload elements the way the ZeRO paper counts volume: an all-reduce of M elements counts
   2M, a reduce-scatter or all-gather counts M, M being the full (unsharded) size;
 - handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
-  on gloo it is an all-to-all and a local sum (see `reduce_scatter_sum`);
+  on gloo it is point-to-point messages and a local sum (see `reduce_scatter_sum`);
 - turns a world of one process (no process group) into local copies, so world size 1 runs the same
   code path as world size N;
 - runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
@@ -25,8 +25,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import p2p
 from .buffers import BufferPool
-from .works import AllOf, Then, Timed, finish_held, staged
+from .works import Timed, finish_held, staged
 from .ordering import (FAILED_STEP, OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
                        describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
                        wait_for, waiting)
@@ -117,20 +118,6 @@ def _group_timeout(group) -> datetime.timedelta | None:
         return None
 
 
-# process group -> the last point-to-point tag used on it (weak: a destroyed group is not kept alive)
-_message_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tag_key(group):
-    return group if group is not None else dist.group.WORLD
-
-
-def _next_message_tag(group) -> int:
-    key = _tag_key(group)
-    tag = _message_tags[key] = (_message_tags.get(key, 0) + 1) & 0xFFFFFFF
-    return tag
-
-
 class Comm:
     """Counted collectives over one process group (or over a single process)."""
 
@@ -177,10 +164,10 @@ class Comm:
             # over different gathers (a divergence) must pair none of this engine's with those
             # (ordering.py's Note: prefetches handed over).
             agreed = torch.tensor([0.0 if has_check_group(self.group) else 1.0,
-                                   _message_tags.get(_tag_key(self.group), 0)],
+                                   p2p.last_message_tag(self.group)],
                                   dtype=torch.float64, device=self.control_device)
             self.control_all_reduce(agreed, dist.ReduceOp.MAX)
-            _message_tags[_tag_key(self.group)] = int(agreed[1].item())
+            p2p.go_on_from(self.group, int(agreed[1].item()))
             check = OrderCheck(check_group(self.group, ranks, renew=bool(agreed[0].item())), self.rank,
                                where=self._where, timeout_s=self.timeout_s)
             self.sequencer = Sequencer(check, inline=self.device.type == "cuda")
@@ -318,66 +305,45 @@ class Comm:
                 host = torch.empty(full.shape, dtype=full.dtype)
                 return staged(_all_gather_single(host, shard.cpu(), group=self.group, async_op=True), host, full)
         elif self.gloo:
-            message_tag = _next_message_tag(self.group)  # fixed when handed over, not when issued
+            message_tag = p2p.next_message_tag(self.group)  # fixed when handed over, not when issued
 
             def collective():
-                return self._all_gather_p2p(full, shard, message_tag)
+                return p2p.all_gather(self.group, self.rank, self.world, full, shard, message_tag)
         else:
             def collective():
                 return _all_gather_single(full, shard, group=self.group, async_op=True)
         return self._issue(tag, collective, async_op, "all-gather a chunk")
 
-    def _all_gather_p2p(self, full: torch.Tensor, shard: torch.Tensor, tag: int) -> AllOf:
-        """gloo's all-gather as point-to-point messages: each rank sends its shard to every other
-        and receives theirs straight into `full`. gloo's own all-gather took 1.5-3.5x as long here
-        (2 ranks on 2 cores: 13 MB 7.9 vs 5.1 ms, 17 MB 10.6 vs 5.8 ms, 93 MB 98 vs 28 ms; 3 ranks
-        13 MB 12.1 vs 7.5 ms). The messages of one all-gather share `tag`, counted per process
-        group as the all-gathers are handed over (every rank hands over the same ones on it in the
-        same order, whichever engine or Comm does), so two in flight never take each other's, and
-        one issued on one rank only (ordering.py's Note: prefetches handed over) takes no other's."""
-        s = shard.numel()
-        own = full[self.rank * s:(self.rank + 1) * s]
-        if own.data_ptr() != shard.data_ptr():
-            own.copy_(shard)
-        works = []
-        for k in range(1, self.world):
-            to, src = (self.rank + k) % self.world, (self.rank - k) % self.world
-            works.append(dist.isend(shard, group=self.group, group_dst=to, tag=tag))
-            works.append(dist.irecv(full[src * s:(src + 1) * s], group=self.group, group_src=src, tag=tag))
-        return AllOf(works, (full, shard))
-
     def reduce_scatter_sum(self, full: torch.Tensor, async_op: bool = False, tag: tuple[int, int] | None = None):
         """In place: this rank's shard of `full` <- the sum over ranks of that shard. Counts len(full).
         (NCCL accepts an output that is the input's own slot.)
 
-        On gloo it is an all-to-all (each rank receives every rank's copy of its slot: the bytes a
-        reduce-scatter moves) and a local sum in rank order when waited for: for 13 MB between 2
-        ranks here gloo's own reduce-scatter took 21 ms, its all-reduce 13 ms, the all-to-all and
-        sum 12 ms. It holds a receive buffer of len(full) until then, kept for the next (buffers.py)."""
+        On gloo it is point-to-point messages (each rank sends every other rank that rank's slot and
+        receives every rank's copy of its own: the bytes a reduce-scatter moves) and a local sum in
+        rank order when waited for. For 13 MB between 2 ranks here gloo's own reduce-scatter took
+        19-21 ms, its all-reduce 12-13 ms, an all-to-all and sum 8.2 ms, these messages and sum
+        7.5 ms (in a training step the last two read the same). They need no copy of this rank's
+        own slot, so the receive buffer, held until then and kept for the next (buffers.py), is
+        (world - 1) shards, not len(full) (p2p.py)."""
         self._count(full.numel())
         if self.world == 1:
             return None
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
-
-        def exchange(src: torch.Tensor, dest: torch.Tensor, then=None) -> Then:
-            received = self._received.take(src.numel(), src.dtype, src.device)
-            work = dist.all_to_all_single(received, src, group=self.group, async_op=True)
-
-            def total():
-                torch.sum(received.view(self.world, s), 0, out=dest)
-                self._received.give(received)  # (an abandoned reduction's is never given back)
-                if then is not None:
-                    then()
-            return Then(work, total)
         if self.staged:
+            message_tag = p2p.next_message_tag(self.group)
+
             def collective():
                 host = full.cpu()
                 host_shard = host[self.rank * s:(self.rank + 1) * s]
-                return exchange(host, host_shard, lambda: shard.copy_(host_shard))
+                return p2p.reduce_scatter_sum(self.group, self.rank, self.world, host, host_shard, message_tag,
+                                              self._received, lambda: shard.copy_(host_shard))
         elif self.gloo:
+            message_tag = p2p.next_message_tag(self.group)
+
             def collective():
-                return exchange(full, shard)
+                return p2p.reduce_scatter_sum(self.group, self.rank, self.world, full, shard, message_tag,
+                                              self._received)
         else:
             def collective():
                 return _reduce_scatter_single(shard, full, group=self.group, async_op=True)

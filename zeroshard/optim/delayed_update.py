@@ -23,8 +23,8 @@ class UpdateState(enum.Enum):
 
 
 class DelayedUpdate:
-    """Launching and landing the delayed update (uses ShardedOptimizer's _update, _account and
-    _gather_updated)."""
+    """Launching and landing the delayed update (uses ShardedOptimizer's _update and _account,
+    and Publishing's _gather_updated)."""
 
     def _launch(self) -> None:
         """IDLE -> IN_FLIGHT: hand this step's gradients to a background thread that steps the
