@@ -496,6 +496,7 @@ def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
     engine = zeroshard.initialize(tiny_gpt2(), lambda ps: FailingSGD(ps, lr=0.05, momentum=0.9),
                                   {"stage": stage, "chunk_size": 4000, "clip_grad_norm": clip})
     t0 = time.perf_counter()
+    guarded = None  # after the failed step: (chunks still arriving, torch function modes on the stack)
     try:
         for k, step in enumerate(data):
             x = step[0][rank]
@@ -504,11 +505,13 @@ def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
             try:
                 engine.step()
             except ValueError:
+                guarded = (sum(c.arriving is not None for c in engine.chunks), torch._C._len_torch_function_stack())
                 continue
     except DivergedError as e:
         mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
     else:
         mine = {"raised": None}
+    mine["guarded"] = guarded
     return {"ranks": _gather(mine, world)}
 
 

@@ -185,6 +185,9 @@ def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(r
     assert max(g["seconds"] for g in got["ranks"]) < 30
     if where.startswith("step"):  # the update's all-gathers go out uncompared; the failed rank's next comparison tells
         assert all("carry on after its optimizer step raised" in g["message"] for g in got["ranks"]), got
+        # ... and it issued them too, its reads of those chunks guarded until they arrive
+        arriving, modes = got["ranks"][0]["guarded"]
+        assert arriving > 0 and modes == 1, got
 
 
 def test_a_rank_that_leaves_out_a_stage_0_step_gets_diverged_error_everywhere(res):

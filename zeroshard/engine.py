@@ -130,6 +130,8 @@ class Engine(EngineIO):
                 return self._forward(*self._to_device((args, kwargs)))
         finally:
             self.phase = TrainingPhase.IDLE
+            if self._arrivals is not None:  # a compiled block interrupted by a BaseException
+                self._arrivals.resume()
 
     def _forward(self, args, kwargs):
         recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
@@ -353,8 +355,8 @@ class Engine(EngineIO):
             self.grads_pending = False
             if self.stage == 3:  # a step that failed part way may have changed shards: gather them anew
                 self.cache.flush()
-        if self._arrivals is not None:
-            self._arrivals.arm(self.chunks)
+            if self._arrivals is not None:  # a failed update's all-gathers go out too (publish.py)
+                self._arrivals.arm(self.chunks)
         self._set_steps(self.steps + int(applied))
         self._stats = step_stats(self.meter.finish(self.comm.world, self.optimizer), step=self.steps, applied=applied,
                                  chunks=self.chunks, optim=self.optim, cache=self.cache, comm=self.comm,

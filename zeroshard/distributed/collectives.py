@@ -4,7 +4,7 @@ Every collective zeroshard issues goes through `Comm`, which
 - counts payload elements the way the ZeRO paper counts volume: an all-reduce of M elements counts
   2M, a reduce-scatter or all-gather counts M, M being the full (unsharded) size;
 - handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
-  on gloo it is point-to-point messages and a local sum (see `reduce_scatter_sum`);
+  on gloo it is an all-to-all and a local sum (see `reduce_scatter_sum`);
 - turns a world of one process (no process group) into local copies, so world size 1 runs the same
   code path as world size N;
 - runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import p2p
 from .buffers import BufferPool
-from .works import Timed, finish_held, staged
+from .works import Then, Timed, finish_held, staged
 from .ordering import (FAILED_STEP, OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
                        describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
                        wait_for, waiting)
@@ -318,32 +318,34 @@ class Comm:
         """In place: this rank's shard of `full` <- the sum over ranks of that shard. Counts len(full).
         (NCCL accepts an output that is the input's own slot.)
 
-        On gloo it is point-to-point messages (each rank sends every other rank that rank's slot and
-        receives every rank's copy of its own: the bytes a reduce-scatter moves) and a local sum in
-        rank order when waited for. For 13 MB between 2 ranks here gloo's own reduce-scatter took
-        19-21 ms, its all-reduce 12-13 ms, an all-to-all and sum 8.2 ms, these messages and sum
-        7.5 ms (in a training step the last two read the same). They need no copy of this rank's
-        own slot, so the receive buffer, held until then and kept for the next (buffers.py), is
-        (world - 1) shards, not len(full) (p2p.py)."""
+        On gloo it is an all-to-all (each rank receives every rank's copy of its slot: the bytes a
+        reduce-scatter moves) and a local sum in rank order when waited for: for 13 MB between 2
+        ranks here gloo's own reduce-scatter took 21 ms, its all-reduce 13 ms, the all-to-all and
+        sum 12 ms. It holds a receive buffer of len(full) until then, kept for the next (buffers.py)."""
         self._count(full.numel())
         if self.world == 1:
             return None
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
-        if self.staged:
-            message_tag = p2p.next_message_tag(self.group)
 
+        def exchange(src: torch.Tensor, dest: torch.Tensor, then=None) -> Then:
+            received = self._received.take(src.numel(), src.dtype, src.device)
+            work = dist.all_to_all_single(received, src, group=self.group, async_op=True)
+
+            def total():
+                torch.sum(received.view(self.world, s), 0, out=dest)
+                self._received.give(received)  # (an abandoned reduction's is never given back)
+                if then is not None:
+                    then()
+            return Then(work, total)
+        if self.staged:
             def collective():
                 host = full.cpu()
                 host_shard = host[self.rank * s:(self.rank + 1) * s]
-                return p2p.reduce_scatter_sum(self.group, self.rank, self.world, host, host_shard, message_tag,
-                                              self._received, lambda: shard.copy_(host_shard))
+                return exchange(host, host_shard, lambda: shard.copy_(host_shard))
         elif self.gloo:
-            message_tag = p2p.next_message_tag(self.group)
-
             def collective():
-                return p2p.reduce_scatter_sum(self.group, self.rank, self.world, full, shard, message_tag,
-                                              self._received)
+                return exchange(full, shard)
         else:
             def collective():
                 return _reduce_scatter_single(shard, full, group=self.group, async_op=True)

@@ -1,9 +1,9 @@
-"""gloo's all-gather and reduce-scatter as point-to-point messages (collectives.Comm uses them on
-gloo groups), and the message tags that keep them apart.
+"""gloo's all-gather as point-to-point messages (collectives.Comm uses it on gloo groups), and the
+message tags that keep them apart.
 
-The messages of one collective share a tag, counted per process group as the collectives are
+The messages of one all-gather share a tag, counted per process group as the all-gathers are
 handed over (every rank hands over the same ones on a group in the same order, whichever engine or
-Comm does), so two in flight never take each other's messages, and a gather issued on one rank only
+Comm does), so two in flight never take each other's messages, and one issued on one rank only
 (ordering.py's Note: prefetches handed over) takes no other's.
 """
 from __future__ import annotations
@@ -13,8 +13,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .buffers import BufferPool
-from .works import AllOf, Then
+from .works import AllOf
 
 # process group -> the last message tag used on it (weak: a destroyed group is not kept alive)
 _message_tags: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -25,7 +24,7 @@ def _key(group):
 
 
 def next_message_tag(group) -> int:
-    """The tag of the next collective handed over on `group`."""
+    """The message tag of the next all-gather handed over on `group`."""
     key = _key(group)
     tag = _message_tags[key] = (_message_tags.get(key, 0) + 1) & 0xFFFFFFF
     return tag
@@ -54,32 +53,3 @@ def all_gather(group, rank: int, world: int, full: torch.Tensor, shard: torch.Te
         works.append(dist.isend(shard, group=group, group_dst=to, tag=tag))
         works.append(dist.irecv(full[src * s:(src + 1) * s], group=group, group_src=src, tag=tag))
     return AllOf(works, (full, shard))
-
-
-def reduce_scatter_sum(group, rank: int, world: int, full: torch.Tensor, shard: torch.Tensor, tag: int,
-                       pool: BufferPool, then=None) -> Then:
-    """`shard` (rank's slot of `full`) <- the sum over ranks of that slot, once waited for; then
-    `then()` runs. Each rank sends every other rank that rank's slot and receives every rank's copy
-    of its own into a buffer of (world - 1) slots from `pool`, given back after the sum."""
-    s = shard.numel()
-    received = pool.take((world - 1) * s, full.dtype, full.device)
-    rows = received.view(world - 1, s)  # ranks in order, this rank left out
-    works = []
-    for k in range(1, world):
-        to, src = (rank + k) % world, (rank - k) % world
-        works.append(dist.isend(full[to * s:(to + 1) * s], group=group, group_dst=to, tag=tag))
-        works.append(dist.irecv(rows[src if src < rank else src - 1], group=group, group_src=src, tag=tag))
-
-    def total():
-        # The sum in rank order, as torch.sum over the ranks' copies gives it: the ranks before
-        # this one folded, then this one's (a + b == b + a in floating point), then the rest.
-        if rank > 0:
-            for j in range(1, rank):
-                rows[0].add_(rows[j])
-            shard.add_(rows[0])
-        for j in range(rank, world - 1):
-            shard.add_(rows[j])
-        pool.give(received)  # (an abandoned reduction's is never given back)
-        if then is not None:
-            then()
-    return Then(AllOf(works, (full, received)), total)

@@ -12,7 +12,7 @@ from .ordering import hold_unfinished, wait_for
 
 class Then:
     """A collective's work that runs `then()` once, when first waited for (a copy back from the
-    host, the local sum of a reduce-scatter's messages)."""
+    host, the local sum of an all-to-all)."""
 
     def __init__(self, work, then):
         self.work, self.then = work, then

@@ -17,9 +17,9 @@ The optimizer steps master pieces (chunks.py): per parameter, the part of its fp
 owns, so param groups, per-parameter state and step counts are torch's; a parameter that got no
 gradient on any rank since the last step is not stepped. Chunks whose optimizer lives on the host
 (offload.py) step one chunk at a time, in the order the next forward needs them, and each updated
-shard starts its upload (and, at stages 1-2, its all-gather) while the next chunk steps. An
-optimizer that can write the 16-bit copy in the same pass as the update (zeroshard.CPUAdamW) is
-given the copy's destination, saving a pass over the master.
+shard starts its upload while the next chunk steps (at stages 1-2 the all-gathers follow the whole
+update: publish.py). An optimizer that can write the 16-bit copy in the same pass as the update
+(zeroshard.CPUAdamW) is given the copy's destination, saving a pass over the master.
 
 Delayed update (ZeRO-Offload's DPU, config `delay_update_after`): the host step of step t runs in a
 background thread while the device runs step t+1's forward and backward, and lands (is uploaded and
@@ -179,7 +179,10 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                                                    self.optimizer, self._copy_target, self._publish, agreed)
         except BaseException:
             if agreed:
-                self._gather_after_failure()
+                try:
+                    self._gather_after_failure()
+                except BaseException:  # the update's own failure is the one to report
+                    pass
             raise
         if applied:
             self.applied_updates += 1
@@ -229,8 +232,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         (ZeRO-R's constant buffers: never the whole model's fp32 gradient at once), in the order the
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing). `agreed`: a
-        list that gets an item once every rank agreed to apply the update (it then applies or
-        raises)."""
+        list that gets an item once every rank agreed to apply the update and no collective of it
+        is left (it then applies or raises)."""
         scale_in_place([None if self._scaled_on_arrival(c) else g for c, g in zip(self.chunks, grads)], inv)
         exact = self.clip is not None
         # Stage 0: every rank holds the whole gradient: one rank measures it for clipping (the
@@ -256,7 +259,10 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
-        if agreed is not None:
+        # Agreed once no collective of the update is left: a disk tier's chunks agree on their
+        # files after stepping, and a rank failing before that agreement must not gather.
+        on_disk = any(c.placement.optimizer_on_host and c.placement.optimizer_on_disk for c in self.chunks)
+        if agreed is not None and not on_disk:
             agreed.append(True)
         norm = math.sqrt(sq) if self.measure_norm else None
         coef = None  # the clipping factor, None when the gradient is left as it is
@@ -325,6 +331,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                 for t in [self.tier, *shard_tiers]:
                     t.fail(e)
                 raise
+            if agreed is not None:
+                agreed.append(True)
         self._drop_grads(keep_lasting=True)
         return True, False, norm
 

@@ -53,16 +53,22 @@ class ArrivalHooks:
                     h.remove()
                 chunks += [c for c in self.chunks_of(m) if c not in chunks]
             self._block_chunks[b] = chunks
-            self._handles[(b, "pre")] = b.register_forward_pre_hook(self._pre_block)
+            self._handles[(b, "pre")] = b.register_forward_pre_hook(self._pre_block, with_kwargs=True)
             self._handles[(b, "post")] = b.register_forward_hook(self._post_block, always_call=True)
 
-    def _pre_block(self, block, args):
+    def _pre_block(self, block, args, kwargs):
         if self.guard.armed:
             for c in self._block_chunks[block]:
                 self.guard.arrived(c)
+            self.guard.wait_for_arguments(args, kwargs)  # a parameter handed in (a tied weight)
             self.guard.suspend()
 
     def _post_block(self, block, args, out):
+        self.guard.resume()
+
+    def resume(self) -> None:
+        """After a forward: the guard back on the mode stack if a compiled block was left by an
+        exception its forward hook does not see (KeyboardInterrupt)."""
         self.guard.resume()
 
     def settle(self) -> None:
@@ -136,17 +142,21 @@ class ArrivalGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.pending:
-            # Every torch call of the forward comes through here while chunks arrive: a tensor is
-            # looked for among the arguments and one level into lists and tuples (torch.cat's
-            # operands), not with a full pytree walk, which cost a tenth of the forward.
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    self._wait_for(a)
-                elif isinstance(a, (list, tuple)):
-                    for t in a:
-                        if isinstance(t, torch.Tensor):
-                            self._wait_for(t)
+            self.wait_for_arguments(args, kwargs)
         return func(*args, **kwargs)
+
+    def wait_for_arguments(self, args, kwargs) -> None:
+        """Wait for the chunks of the tensors among a call's arguments. Every torch call of the
+        forward comes through here while chunks arrive: a tensor is looked for among the arguments
+        and one level into lists and tuples (torch.cat's operands), not with a full pytree walk,
+        which cost a tenth of the forward."""
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                self._wait_for(a)
+            elif isinstance(a, (list, tuple)):
+                for t in a:
+                    if isinstance(t, torch.Tensor):
+                        self._wait_for(t)
 
     def _wait_for(self, t: torch.Tensor) -> None:
         t = local(t)  # a DTensor parameter: its local shard lives in the chunk
