@@ -259,10 +259,12 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         if overflow or not any(any(p) for p in present):
             self._drop_grads()
             return False, overflow, None
+        one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
+        together = [i for i, c in enumerate(self.chunks) if not c.placement.optimizer_on_host]
+        disk = [i for i in one_by_one if self.chunks[i].placement.optimizer_on_disk]
         # Agreed once no collective of the update is left: a disk tier's chunks agree on their
         # files after stepping, and a rank failing before that agreement must not gather.
-        on_disk = any(c.placement.optimizer_on_host and c.placement.optimizer_on_disk for c in self.chunks)
-        if agreed is not None and not on_disk:
+        if agreed is not None and not disk:
             agreed.append(True)
         norm = math.sqrt(sq) if self.measure_norm else None
         coef = None  # the clipping factor, None when the gradient is left as it is
@@ -287,8 +289,6 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                 g.mul_(coef)
             self._views.bind(c, g, has_grad, lasting)
 
-        one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
-        together = [i for i, c in enumerate(self.chunks) if not c.placement.optimizer_on_host]
         if together:
             for i in together:
                 load(self.chunks[i], grads[i], present[i])
@@ -296,7 +296,6 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
                 finish(c, target)
         # Disk tier: chunk k is open while k+1 and k+2 are read ahead and k-1 is written behind.
-        disk = [i for i in one_by_one if self.chunks[i].placement.optimizer_on_disk]
         ahead = {i: [self.chunks[j] for j in disk[n + 1:n + 3]] for n, i in enumerate(disk)}
         failure = None
         for c in [self.chunks[j] for j in disk[:2]]:
