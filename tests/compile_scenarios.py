@@ -84,7 +84,8 @@ def compiled_parity(rank, world, stage, make_opt=make_sgd, extra=None, checkpoin
     loss = lambda m, x, *_: m(x, checkpoint=checkpoint).pow(2).mean()  # noqa: E731
     fresh_dynamo()
     engine, diff = parity(rank, world, build, loss, data, make_opt, {**cfg, "compile": options})
-    return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled]}
+    return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled],
+            "chunks": sum(c.trainable for c in engine.chunks)}
 
 
 for _stage in range(4):
@@ -97,6 +98,24 @@ SCENARIOS["adamw_offload_stage2"] = functools.partial(
 SCENARIOS["checkpointing_stage3"] = functools.partial(compiled_parity, stage=3, checkpoint=True)
 SCENARIOS["checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True)
 SCENARIOS["no_blocks_stage2"] = functools.partial(compiled_parity, stage=2, build=Flat)
+# One chunk (compiled.py's Note: one chunk): the whole forward, blocks and all, is one graph.
+for _stage in range(3):
+    SCENARIOS[f"one_chunk_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage, extra={"chunk_size": 10**6})
+SCENARIOS["one_chunk_checkpointing_stage2"] = functools.partial(
+    compiled_parity, stage=2, checkpoint=True, make_opt=make_adamw,
+    extra={"chunk_size": 10**6, "offload_optimizer": True})
+
+
+def forward_of_its_own():
+    """Layers whose root forward is an attribute of the instance, as a front end wraps it
+    (accelerate's autocast, Lightning's redirection to training_step)."""
+    model = Layers()
+    model.forward = functools.partial(Layers.forward, model)
+    return model
+
+
+SCENARIOS["one_chunk_wrapped_forward_stage1"] = functools.partial(
+    compiled_parity, stage=1, extra={"chunk_size": 10**6}, build=forward_of_its_own)
 
 
 def arrivals_per_block(rank, world, stage=1):

@@ -27,7 +27,7 @@ from .distributed.tensor_parallel import local_grad
 from .errors import ConfigError, invariant
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
-from .runtime.compiled import compile_model, torch_compiler
+from .runtime.compiled import blocks_to_compile, compile_model, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
 from .units import layer_blocks, refuse_untrainable
@@ -137,8 +137,9 @@ class Engine(EngineIO):
         recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
         self._micro_layout_final = self.layout.final
         if self._micro_layout_final and self._compiler is not None and self.compiled is None:
-            self.compiled = compile_model(self.module, self.leaves if self.stage == 3 else layer_blocks(self.module),
-                                          self._compiler)
+            blocks = self.leaves if self.stage == 3 else blocks_to_compile(
+                self.module, layer_blocks(self.module), sum(c.trainable for c in self.chunks))
+            self.compiled = compile_model(self.module, blocks, self._compiler)
             if self._arrivals is not None and self.compiled != [self.module]:
                 self._arrivals.wait_per_block(self.compiled)
         if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)
