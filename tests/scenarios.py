@@ -404,6 +404,29 @@ def _add_reads_after_step():
 _add_reads_after_step()
 
 
+def gathers_at_the_step_end(rank, world, cache_chunks=None):
+    """Stage 3: when step() returns, the rCache holds the chunks the next forward starts with,
+    already gathering (runtime/cache.py's Note: gathers at the step's end), within its
+    cache_chunks; the model trained and a state dict read right after a step (while those gathers
+    are in flight) are plain PyTorch's."""
+    data = batches(4, world, 2)
+    ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
+    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 3, "chunk_size": 4000,
+                                                          "cache_chunks": cache_chunks})
+    held = []
+    for step in data:
+        x = step[0][rank]
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        held.append({"cached": list(engine.cache.cached), "schedule": engine.cache.schedule[:6],
+                     "gathering": sum(c.state.value == "gathering" for c in engine.chunks)})
+    return {"held": held, "diff": max_diff(engine.full_state_dict(), ref)}
+
+
+SCENARIOS["gathers_at_the_step_end"] = gathers_at_the_step_end
+SCENARIOS["gathers_at_the_step_end_cache2"] = lambda rank, world: gathers_at_the_step_end(rank, world, 2)
+
+
 def desync_after_a_caught_backward_error(rank, world, stage=2):
     """Rank 0 raises half-way through a backward (after some chunks were reduced), catches it and
     carries on, a micro-batch behind the others: every rank must get DivergedError, never a hang.
@@ -479,7 +502,8 @@ def desync_after_a_skipped_step_stage0(rank, world):
 def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
     """Rank 0's optimizer step raises after the step's first collective (the control all-reduce,
     with the clipping norm); it catches the error and trains on, a step behind the others, which
-    went on to the step's all-gathers: every rank must get DivergedError, never a hang."""
+    went on to the step's all-gathers (stage 3: the next forward's first gathers, rCache's Note:
+    gathers at the step's end): every rank must get DivergedError, never a hang."""
     import time
     from zeroshard import DivergedError
     if world == 1:
@@ -495,6 +519,14 @@ def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
 
     engine = zeroshard.initialize(tiny_gpt2(), lambda ps: FailingSGD(ps, lr=0.05, momentum=0.9),
                                   {"stage": stage, "chunk_size": 4000, "clip_grad_norm": clip})
+    issued = []  # stage 3: the chunks gathered for the next forward, in this step
+    if stage == 3:
+        gather_after_step = engine.cache.gather_after_step
+
+        def spy():
+            gather_after_step()
+            issued.append(len(engine.cache.cached))
+        engine.cache.gather_after_step = spy
     t0 = time.perf_counter()
     guarded = None  # after the failed step: (chunks still arriving, torch function modes on the stack)
     try:
@@ -502,10 +534,13 @@ def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
             x = step[0][rank]
             engine.backward(engine(input_ids=x, labels=x).loss)
             planted["now"] = rank == 0 and k == 2
+            issued.clear()
             try:
                 engine.step()
             except ValueError:
                 guarded = (sum(c.arriving is not None for c in engine.chunks), torch._C._len_torch_function_stack())
+                if stage == 3:  # no arrivals: the chunks it gathered for the next forward, as the peers did
+                    guarded = (sum(issued), 1)
                 continue
     except DivergedError as e:
         mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
@@ -518,6 +553,8 @@ def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
 SCENARIOS["desync_after_a_caught_step_error"] = desync_after_a_caught_step_error
 SCENARIOS["desync_after_a_caught_step_error_stage1"] = \
     lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=1, clip=None)
+SCENARIOS["desync_after_a_caught_step_error_stage3"] = \
+    lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=3, clip=None)
 
 
 # -- delayed parameter update (ZeRO-Offload's DPU) ---------------------------------------------------
@@ -628,9 +665,9 @@ def offload_memory_bf16_adamw(rank, world):
         train(engine, data[:-1], rank)
         gathered = []  # shard bytes of every gather in the last step
         for c in engine.chunks:
-            def spy(comm, c=c, real=c.start_gather):
+            def spy(comm, compare=True, c=c, real=c.start_gather):
                 gathered.append(c.shard_numel * 2)
-                real(comm)
+                real(comm, compare)
             c.start_gather = spy
         train(engine, data[-1:], rank)
         s = engine.stats()

@@ -164,12 +164,25 @@ def test_weights_read_right_after_step_are_the_updated_ones(res, stage):
     assert got["diff_state_dict"] <= 1e-5 and got["diff_sums"] <= 1e-3, got
 
 
+@pytest.mark.parametrize("cache", ["", "_cache2"])
+def test_stage_3_gathers_the_next_forwards_first_chunks_at_the_step_end(res, cache):
+    """After each step (once the schedule is known) the rCache holds the chunks the next forward
+    starts with, those rewind would prefetch (1 + 4 ahead with no cache_chunks, 1 + 1 with 2), their
+    gathers issued at the step's end; what trains is plain PyTorch's (SGD+momentum, fp32, 1e-5)."""
+    got = ok(res[0], "gathers_at_the_step_end" + cache)
+    assert got["diff"] <= 1e-5, got
+    for h in got["held"][1:]:
+        expected = list(dict.fromkeys(h["schedule"][:5 if not cache else 2]))
+        assert h["cached"] == expected and h["gathering"] == len(expected) > 0, got
+
+
 def test_plain_loss_backward_with_fp16_raises_the_named_error(res):
     r, _ = res
     assert "call engine.backward(loss)" in (ok(r, "plain_backward_fp16_raises")["raised"] or "")
 
 
-@pytest.mark.parametrize("where", ["backward", "backward_stage0", "backward_stage1", "step", "step_stage1"])
+@pytest.mark.parametrize("where", ["backward", "backward_stage0", "backward_stage1", "step", "step_stage1",
+                                   "step_stage3"])
 def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(res, where):
     """Rank 0 raises half-way through its third backward (or its optimizer step raises after the
     step's first collective), catches it and goes on, a micro-batch (a step) behind: every rank
@@ -185,7 +198,8 @@ def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(r
     assert max(g["seconds"] for g in got["ranks"]) < 30
     if where.startswith("step"):  # the update's all-gathers go out uncompared; the failed rank's next comparison tells
         assert all("carry on after its optimizer step raised" in g["message"] for g in got["ranks"]), got
-        # ... and it issued them too, its reads of those chunks guarded until they arrive
+        # ... and it issued them too, its reads of those chunks guarded until they arrive (stage 3:
+        # its rCache holds them, gathering)
         arriving, modes = got["ranks"][0]["guarded"]
         assert arriving > 0 and modes == 1, got
 

@@ -156,7 +156,8 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
                              clip_grad_norm=config.clip_grad_norm, scaler=scaler,
                              delay_after=config.delay_update_after,
                              side_comm=world.comm.side_channel() if delayed else None,
-                             nonfinite=config.nonfinite, measure_norm=config.grad_norm and world.tp is None, shards=world.shards, tier=tier)
+                             nonfinite=config.nonfinite, measure_norm=config.grad_norm and world.tp is None, shards=world.shards, tier=tier,
+                             gather_next=cache.after_update if config.stage == 3 else None)
     layout.when_built(optim.take_built)
     if config.check_order:
         world.shards.enable_order_checks()

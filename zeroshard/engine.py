@@ -365,6 +365,10 @@ class Engine(EngineIO):
                                  transfer=self.transfer, saved=self.saved, scaler=self.scaler, tp=self.tp)
         if self.timeline is not None:
             self.timeline.step_done(self.steps)
+        # the next forward's first chunks, once the step's figures are taken (cache.py's Note:
+        # gathers at the step's end)
+        if self.stage == 3 and self.optim.update_agreed:
+            self.cache.gather_after_step()
         every = self.zeroshard_config.log_every
         if every and self.comm.rank == 0 and self.optim.boundaries % every == 0:
             log.info("%s", describe_step(self._stats))

@@ -27,9 +27,10 @@ Which collectives compare what:
   comparison (FAILED_STEP, where a deferred tag goes), so no rank waits for gathers that never
   come and every rank raises at the next comparison; comparing a tag for them first (PUBLISH)
   cost every step a round trip (gpt2-tiny, 2 ranks on 2 cores: the step phase 14 -> 12 ms). A
-  delayed update, which lands a step after it ran, still compares PUBLISH. STEP is compared
-  without waiting (`Sequencer.announce`): the comparison is finished before the result of the
-  step's first collective is read. A step without a collective (stage 0, no clipping) sends no
+  delayed update, which lands a step after it ran, still compares PUBLISH. Stage 3 gathers the
+  next forward's first chunks the same way, at the step's end (runtime/cache.py's Note: gathers at
+  the step's end). STEP is compared without waiting (`Sequencer.announce`): the comparison is
+  finished before the result of the step's first collective is read. A step without a collective (stage 0, no clipping) sends no
   comparison of its own: its tag rides in the next comparison's message (`OrderCheck.defer`; every
   message carries a deferred tag, 0 where there is none), so a rank out of step applies its update
   and raises at its next collective, on every rank, and each step saves a round trip.

@@ -56,7 +56,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
-                 measure_norm: bool = True, shards: ShardGroups, tier=None):
+                 measure_norm: bool = True, shards: ShardGroups, tier=None, gather_next=None):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
         nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
@@ -64,10 +64,16 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         comm: the data-parallel group (the gradient's divisor, the step's flags and norm); shards:
         the chunks' groups, over which updated chunks are all-gathered and (hybrid) gradient
         shards summed across the groups. tier: the disk tier (runtime/disk_tier.py) of the chunks
-        placed there, or None."""
+        placed there, or None. gather_next: stage 3, called when the step's own update raised after
+        every rank agreed to apply it: the rCache releases its stale chunks and gathers the next
+        forward's first ones, as the engine has the other ranks do (ChunkCache.after_update)."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
+        # every rank agreed to apply the last update step() ran here (it applied, or raised after
+        # that point and called gather_next): stage 3's engine then gathers the next forward's first chunks
+        self.update_agreed = False
+        self.gather_next = gather_next
         self.comm = comm
         self.shards = shards
         self.stage = stage
@@ -167,6 +173,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
         in the background is counted in `skipped_steps` when it lands)."""
         self.boundaries += 1
+        self.update_agreed = False
         if self.delay_after is not None and self.boundaries > self.delay_after:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()
@@ -184,6 +191,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                 except BaseException:  # the update's own failure is the one to report
                     pass
             raise
+        finally:
+            self.update_agreed = bool(agreed)
         if applied:
             self.applied_updates += 1
             self._gather_updated(compare=False)

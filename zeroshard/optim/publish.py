@@ -93,8 +93,12 @@ class Publishing:
         their all-gathers without comparing first: issue the same ones (this rank's shards as they
         are), so no rank waits for a gather that never comes, and mark this rank's next order
         comparison (ordering.FAILED_STEP): every rank raises DivergedError there, before any of
-        them steps on a model this rank's failure left half-updated."""
+        them steps on a model this rank's failure left half-updated. Stage 3: the rCache's
+        gathers of the next forward's first chunks, which the engine issues after a step
+        (gather_next; runtime/cache.py's Note: gathers at the step's end)."""
         try:
+            if self.gather_next is not None:  # stage 3: the next forward's first chunks
+                self.gather_next()
             self._gather_updated(compare=False)
         finally:
             self.comm.mark_failed_step()

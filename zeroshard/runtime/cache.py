@@ -21,6 +21,17 @@ start would hold its first compute back.
 Chunks whose shards are read from the host or the disk tier stay one ahead (their start waits on
 that read).
 
+Note: gathers at the step's end. After an update every rank agreed to apply, the chunks the next
+forward starts with (those rewind would prefetch, whose shards are in device memory) are gathered
+at once, with no order comparison, as stages 1-2 gather an update (ordering.py): a comparison at
+the forward's start was a round trip, plus the ranks' drift, before its first compute (2 ranks on 2
+cores, interleaved A/B, stage 3 vs DDP: gpt2-tiny, one chunk, 1.115 -> 1.070x, with a 2-chunk
+rCache 1.104 -> 1.085x; gpt2-small-cpu 1.069 -> 1.041x and 1.098 -> 1.082x). A rank whose update
+raised after that agreement issues the same gathers, then marks its next comparison
+(optim/publish.py). The engine issues them once the step's figures are taken (stats, the memory
+timeline's sample), so they count towards the forward they serve (traffic, peak) and what a step
+holds at its end stays the shards.
+
 Departures (dynamic control flow): a use that is not the expected one moves the cursor to that
 chunk's next occurrence in the sequence. A chunk the rest of the sequence never names puts the cache
 off schedule: it evicts the least recently used chunk and stops prefetching until a use matches the
@@ -157,6 +168,29 @@ class ChunkCache:
         self.cached.clear()
         self._bytes = 0
 
+    def after_update(self) -> None:
+        """flush, then gather_after_step: for a rank whose update raised after every rank agreed
+        to apply it, which issues the gathers the others issue (optim/publish.py)."""
+        self.flush()
+        self.gather_after_step()
+
+    def gather_after_step(self) -> None:
+        """An update every rank agreed to apply is in the shards, and the stale chunks were
+        flushed: start gathering those the next forward's start would prefetch (rewind), with no
+        order comparison (Note: gathers at the step's end). Only chunks whose shard is in device
+        memory (a tier's or a host copy is read first)."""
+        if not self.prefetch_enabled or self.recording or not self.schedule:
+            return
+        ahead = 1 if self.cache_chunks is not None else UNLIMITED_AHEAD
+        for i in self.schedule[:1 + ahead]:
+            chunk = self.chunks_by_index[i]
+            if i in self.cached:
+                continue
+            if not self._free_slot() or not chunk.shard_in_memory:
+                break
+            chunk.start_gather(self.comm, compare=False)
+            self._add(chunk)
+
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:
         """Gather on demand: make room if possible, else go over cache_chunks (counted)."""
@@ -166,6 +200,9 @@ class ChunkCache:
 
     def _start_gather(self, chunk: Chunk) -> None:
         chunk.start_gather(self.comm)
+        self._add(chunk)
+
+    def _add(self, chunk: Chunk) -> None:
         self.cached[chunk.index] = chunk
         self._bytes += chunk.full_bytes
         self.peak = max(self.peak, len(self.cached))

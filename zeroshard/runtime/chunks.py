@@ -224,9 +224,11 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         from the host, offload_params; not from the parameter tier, 'disk')."""
         return self.shard_tier is None and not self.placement.params_on_host
 
-    def start_gather(self, comm) -> None:
+    def start_gather(self, comm, compare: bool = True) -> None:
         """SHARDED -> GATHERING: allocate the full chunk and start the all-gather (hpZ, with the
-        secondary shards current: over the secondary group, from them)."""
+        secondary shards current: over the secondary group, from them). `compare`: False for a
+        gather every rank issues at the same point of the step without an order comparison
+        (ChunkCache.gather_after_step), from a shard in memory and no secondary."""
         invariant(self.state is ChunkState.SHARDED, lambda: f"chunk {self.index}: start_gather in {self.state}")
         self.await_arrival()
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
@@ -242,7 +244,8 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         elif self.placement.params_on_host:  # upload into this rank's own slot, then gather in place
             lo, hi = self.shard_range
             shard = self.transfer.to_device(self.shard, out=self.full[lo:hi]).wait()
-        self.gather_work = comm.all_gather(self.full, shard, async_op=True, tag=(GATHER, self.index))
+        self.gather_work = comm.all_gather(self.full, shard, async_op=True,
+                                           tag=(GATHER, self.index) if compare else None)
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gather, then point parameters at the data."""

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import GradientsInChunksError, ModuleCopyError, ModuleMovedError
+from .chunks import ChunkState
 from .hooks import Stage3Hooks
 from ..units import direct_params
 from ..distributed.tensor_parallel import as_dtensor, local, local_value, set_local
@@ -273,7 +274,7 @@ def _check_not_moved(chunks: list) -> None:
     views its chunk."""
     moved = []
     for c in chunks:
-        if c.full is None:  # stage 3, sharded: the module holds placeholders
+        if c.state is not ChunkState.GATHERED:  # stage 3, sharded or gathering: the module holds placeholders
             continue
         for s in c.slots:
             if s.numel and s.param.data_ptr() != c.full[s.offset:].data_ptr():
@@ -282,7 +283,7 @@ def _check_not_moved(chunks: list) -> None:
             c.bind_params()
     if moved:
         for c in chunks:
-            if c.full is not None:
+            if c.state is ChunkState.GATHERED:
                 c.bind_params()
         raise ModuleMovedError(
             f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved or cast after zeroshard.initialize "
