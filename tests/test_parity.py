@@ -169,10 +169,11 @@ def test_stage_3_gathers_the_next_forwards_first_chunks_at_the_step_end(res, cac
     """After each step (once the schedule is known) the rCache holds the chunks the next forward
     starts with, those rewind would prefetch (1 + 4 ahead with no cache_chunks, 1 + 1 with 2), their
     gathers issued at the step's end; what trains is plain PyTorch's (SGD+momentum, fp32, 1e-5)."""
+    from zeroshard.runtime.cache import UNLIMITED_AHEAD
     got = ok(res[0], "gathers_at_the_step_end" + cache)
     assert got["diff"] <= 1e-5, got
     for h in got["held"][1:]:
-        expected = list(dict.fromkeys(h["schedule"][:5 if not cache else 2]))
+        expected = list(dict.fromkeys(h["schedule"][:1 + (1 if cache else UNLIMITED_AHEAD)]))
         assert h["cached"] == expected and h["gathering"] == len(expected) > 0, got
 
 
@@ -201,7 +202,7 @@ def test_a_rank_that_carries_on_after_a_failure_gets_diverged_error_everywhere(r
         # ... and it issued them too, its reads of those chunks guarded until they arrive (stage 3:
         # its rCache holds them, gathering)
         arriving, modes = got["ranks"][0]["guarded"]
-        assert arriving > 0 and modes == 1, got
+        assert arriving > 0 and modes == (0 if where.endswith("stage3") else 1), got
 
 
 def test_a_rank_that_leaves_out_a_stage_0_step_gets_diverged_error_everywhere(res):

@@ -119,10 +119,10 @@ class Config:
     compile: torch.compile the model's forward (runtime/compiled.py): True, or a dict of
         torch.compile's keyword arguments ({'backend': 'aot_eager'}, {'mode': 'max-autotune'}).
         Each layer block's forward is compiled (the modules of the model's ModuleList of
-        same-class layers; a model without one, or at stages 0-2 one whose trainable parameters
-        are a single chunk: its whole forward), its hooks outside the graph,
-        as FSDP2's users compile each block they shard; stage 3 gathers each block whole (a leaf
-        unit). Compiled once the chunk layout is final (after the first training forward, which
+        same-class layers; a model without one, or at stages 0-2 one whose parameters are a
+        single chunk and whose forward no front end wrapped: its whole forward), its hooks outside
+        the graph, as FSDP2's users compile each block they shard; stage 3 gathers each block
+        whole (a leaf unit). Compiled once the chunk layout is final (after the first training forward, which
         runs eagerly). False (default): eager.
     allow_nonfinite_weights: pretrained weights (initialize's `weights`, engine.load_weights) that
         hold NaN or inf are refused with WeightsError naming the tensors, unless this is True (a

@@ -138,7 +138,7 @@ class Engine(EngineIO):
         self._micro_layout_final = self.layout.final
         if self._micro_layout_final and self._compiler is not None and self.compiled is None:
             blocks = self.leaves if self.stage == 3 else blocks_to_compile(
-                self.module, layer_blocks(self.module), sum(c.trainable for c in self.chunks))
+                self.module, layer_blocks(self.module), len(self.chunks))
             self.compiled = compile_model(self.module, blocks, self._compiler)
             if self._arrivals is not None and self.compiled != [self.module]:
                 self._arrivals.wait_per_block(self.compiled)
@@ -343,18 +343,22 @@ class Engine(EngineIO):
         self.comm.announce(STEP, alone=self.optim.issues_no_collective)
         self._settle()  # the last update's all-gathers write the storage this update steps
         self.phase = TrainingPhase.STEP
+        failed = True
         try:
             with self._waits("run the optimizer step after"):
                 if self.reducer.unreduced:  # the window's last backward ran under no_sync()
                     self.shards.at(pass_index=self.micro_steps)
                     self.reducer.reduce_unreduced(self.chunks)
                 applied = self.optim.step()
+            failed = False
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
             self.phase = TrainingPhase.IDLE
             self.optim.zero_grads()
             self.reducer.cleared()
             self.grads_pending = False
-            if self.stage == 3:  # a step that failed part way may have changed shards: gather them anew
+            # A step that failed part way may have changed shards: gather them anew. One that raised
+            # after every rank agreed to apply it renewed the rCache already (optim/publish.py).
+            if self.stage == 3 and not (failed and self.optim.update_agreed):
                 self.cache.flush()
             if self._arrivals is not None:  # a failed update's all-gathers go out too (publish.py)
                 self._arrivals.arm(self.chunks)

@@ -30,10 +30,11 @@ Which collectives compare what:
   delayed update, which lands a step after it ran, still compares PUBLISH. Stage 3 gathers the
   next forward's first chunks the same way, at the step's end (runtime/cache.py's Note: gathers at
   the step's end). STEP is compared without waiting (`Sequencer.announce`): the comparison is
-  finished before the result of the step's first collective is read. A step without a collective (stage 0, no clipping) sends no
-  comparison of its own: its tag rides in the next comparison's message (`OrderCheck.defer`; every
-  message carries a deferred tag, 0 where there is none), so a rank out of step applies its update
-  and raises at its next collective, on every rank, and each step saves a round trip.
+  finished before the result of the step's first collective is read. A step without a collective
+  (stage 0, no clipping) sends no comparison of its own: its tag rides in the next comparison's
+  message (`OrderCheck.defer`; every message carries a deferred tag, 0 where there is none), so a
+  rank out of step applies its update and raises at its next collective, on every rank, and each
+  step saves a round trip.
 - blocking ones issued by the training thread (norms, flags, objects): a tag of their own (OTHER),
   except the first one after a phase tag with nothing handed over between (the step's control
   all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's

@@ -164,6 +164,10 @@ class ShardGroups:
         if self.hpz:
             self.secondary.enable_order_checks()
 
+    def broadcast_object(self, obj):
+        """The shard group's first rank's picklable `obj`, on every rank of the group."""
+        return self.inside.broadcast_object(obj)
+
     def progress(self) -> None:
         self.inside.progress()
         if self.hpz:

@@ -173,7 +173,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
         in the background is counted in `skipped_steps` when it lands)."""
         self.boundaries += 1
-        self.update_agreed = False
+        self.update_agreed = False  # a delayed update's (below) is agreed when it lands
         if self.delay_after is not None and self.boundaries > self.delay_after:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
             self._launch()

@@ -97,9 +97,9 @@ class Publishing:
         gathers of the next forward's first chunks, which the engine issues after a step
         (gather_next; runtime/cache.py's Note: gathers at the step's end)."""
         try:
-            if self.gather_next is not None:  # stage 3: the next forward's first chunks
-                self.gather_next()
             self._gather_updated(compare=False)
+            if self.gather_next is not None:  # stage 3: the peers' forwards wait for these, uncompared
+                self.gather_next()
         finally:
             self.comm.mark_failed_step()
 

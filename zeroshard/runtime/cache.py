@@ -28,7 +28,8 @@ the forward's start was a round trip, plus the ranks' drift, before its first co
 cores, interleaved A/B, stage 3 vs DDP: gpt2-tiny, one chunk, 1.115 -> 1.070x, with a 2-chunk
 rCache 1.104 -> 1.085x; gpt2-small-cpu 1.069 -> 1.041x and 1.098 -> 1.082x). A rank whose update
 raised after that agreement issues the same gathers, then marks its next comparison
-(optim/publish.py). The engine issues them once the step's figures are taken (stats, the memory
+(optim/publish.py). Each rank recorded its own schedule, so the chunks are rank 0's choice, sent
+once per schedule (_first_chunks). The engine issues them once the step's figures are taken (stats, the memory
 timeline's sample), so they count towards the forward they serve (traffic, peak) and what a step
 holds at its end stays the shards.
 
@@ -73,6 +74,7 @@ class ChunkCache:
         self.source = "recorded"  # or "profiled": where the schedule came from
         self.departures = 0  # uses that were not the one the schedule expected
         self.off_schedule = False
+        self._head: list[int] | None = None  # the chunks gathered at a step's end, the same on every rank
 
     def reset_peak(self) -> None:
         """Start counting the peak (chunks and bytes held at once) afresh."""
@@ -86,6 +88,7 @@ class ChunkCache:
 
     def set_chunks(self, chunks: list[Chunk]) -> None:
         self.chunks_by_index = {c.index: c for c in chunks}
+        self._head = None
 
     def set_schedule(self, sequence: list[int]) -> None:
         """Follow this sequence of chunk uses (from the profile) instead of recording one."""
@@ -97,16 +100,19 @@ class ChunkCache:
                 self._positions.setdefault(i, []).append(len(self.schedule) - 1)
         self.recording = False
         self.source = "profiled"
+        self._head = None
 
     def restart_recording(self) -> None:
         """Record the sequence of chunk uses afresh (the layout may still change)."""
         self.schedule.clear()
         self._positions.clear()
         self.recording = True
+        self._head = None
 
     def stop_recording(self) -> None:
         """The sequence recorded is the schedule from now on."""
         self.recording = False
+        self._head = None
 
     def rewind(self) -> None:
         """A forward begins: follow the schedule from its start, whose first chunks start
@@ -177,19 +183,29 @@ class ChunkCache:
     def gather_after_step(self) -> None:
         """An update every rank agreed to apply is in the shards, and the stale chunks were
         flushed: start gathering those the next forward's start would prefetch (rewind), with no
-        order comparison (Note: gathers at the step's end). Only chunks whose shard is in device
-        memory (a tier's or a host copy is read first)."""
+        order comparison (Note: gathers at the step's end)."""
         if not self.prefetch_enabled or self.recording or not self.schedule:
             return
+        if self._head is None:
+            self._head = self.comm.broadcast_object(self._first_chunks())
+        for i in self._head:
+            if i not in self.cached:
+                self.chunks_by_index[i].start_gather(self.comm, compare=False)
+                self._add(self.chunks_by_index[i])
+
+    def _first_chunks(self) -> list[int]:
+        """What rewind's prefetch would start gathering into an empty cache, those whose shard is in
+        device memory (a tier's or a host copy is read first). Each rank recorded its own schedule
+        (a data-dependent forward may have used others first), so rank 0's list is every rank's:
+        gathers no comparison checks must pair."""
         ahead = 1 if self.cache_chunks is not None else UNLIMITED_AHEAD
-        for i in self.schedule[:1 + ahead]:
-            chunk = self.chunks_by_index[i]
-            if i in self.cached:
-                continue
-            if not self._free_slot() or not chunk.shard_in_memory:
+        room = self.cache_chunks if self.cache_chunks is not None else len(self.chunks_by_index)
+        head = []
+        for i in dict.fromkeys(self.schedule[:1 + ahead]):
+            if len(head) == room or not self.chunks_by_index[i].shard_in_memory:
                 break
-            chunk.start_gather(self.comm, compare=False)
-            self._add(chunk)
+            head.append(i)
+        return head
 
     # -- internals ------------------------------------------------------------------------------
     def _gather(self, chunk: Chunk) -> None:

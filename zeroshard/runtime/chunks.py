@@ -230,6 +230,8 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         gather every rank issues at the same point of the step without an order comparison
         (ChunkCache.gather_after_step), from a shard in memory and no secondary."""
         invariant(self.state is ChunkState.SHARDED, lambda: f"chunk {self.index}: start_gather in {self.state}")
+        invariant(compare or self.shard_in_memory and (self.secondary is None or not self.secondary.current),
+                  lambda: f"chunk {self.index}: a gather with no comparison from a tier or secondary shards")
         self.await_arrival()
         self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         self.state = ChunkState.GATHERING
