@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 import zeroshard
 from distributed import WorldResults, record
-from models import (Quirky, batches, delayed_reference, make_adamw, make_sgd, max_diff, quirky_data,
-                    quirky_loss, reference, tiny_gpt2, train)
+from models import (Quirky, batches, delayed_reference, inputs, make_adamw, make_sgd, max_diff, parity,
+                    quirky_data, quirky_loss, reference, tiny_gpt2, train)
 
 SCENARIOS = {}
 
@@ -423,6 +423,35 @@ def gathers_at_the_step_end(rank, world, cache_chunks=None):
     return {"held": held, "diff": max_diff(engine.full_state_dict(), ref)}
 
 
+class Branchy(torch.nn.Module):
+    """A branch that only rank 0's data takes (`use_b`): its parameters get a gradient on one rank."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.a(x))
+        return self.head(h + self.b(h) if use_b else h)
+
+
+def branch_on_one_rank(rank, world, stage):
+    """Stages 1-2: the step's control all-reduce, which a rank with every slot's gradient does not
+    wait for (grad_agreement.start_agreeing) and a rank missing one does (agree_grads), pairs
+    across both: branch b steps everywhere with rank 0's gradient, as plain PyTorch steps it on the
+    global batch (SGD+momentum, then AdamW, fp32, 1e-5)."""
+    loss = lambda m, x, k, r, *_: m(x, use_b=(r == 0)).pow(2).mean()  # noqa: E731
+    out = {}
+    for opt in (make_sgd, make_adamw):
+        engine, diff = parity(rank, world, Branchy, loss, inputs(3, world, 4, 8), opt,
+                              {"stage": stage, "chunk_size": 80})
+        out[opt.__name__] = {"diff": diff, "grad_norm": engine.stats()["grad_norm"]}
+    return out
+
+
+for _stage in (1, 2):  # stage 3 gathers per module: a branch on one rank diverges (DivergedError)
+    SCENARIOS[f"branch_on_one_rank_stage{_stage}"] = functools.partial(branch_on_one_rank, stage=_stage)
 SCENARIOS["gathers_at_the_step_end"] = gathers_at_the_step_end
 SCENARIOS["gathers_at_the_step_end_cache2"] = lambda rank, world: gathers_at_the_step_end(rank, world, 2)
 

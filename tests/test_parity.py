@@ -164,6 +164,15 @@ def test_weights_read_right_after_step_are_the_updated_ones(res, stage):
     assert got["diff_state_dict"] <= 1e-5 and got["diff_sums"] <= 1e-3, got
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_with_a_gradient_on_one_rank_only_steps_everywhere(res, stage):
+    """Rank 0's data takes a branch the others skip: the ranks that got every gradient go on with
+    the step while the step's all-reduce is in flight, the others wait for which parameters got one
+    anywhere, and all step the branch as plain PyTorch does on the global batch."""
+    for opt, got in ok(res[0], f"branch_on_one_rank_stage{stage}").items():
+        assert got["diff"] <= 1e-5 and got["grad_norm"] > 0, (opt, got)
+
+
 @pytest.mark.parametrize("cache", ["", "_cache2"])
 def test_stage_3_gathers_the_next_forwards_first_chunks_at_the_step_end(res, cache):
     """After each step (once the schedule is known) the rCache holds the chunks the next forward

@@ -405,6 +405,28 @@ class Comm:
                            "agree on the step's gradient flags and norm")
         return t
 
+    def start_control_all_reduce(self, t: torch.Tensor):
+        """control_all_reduce (a SUM) without waiting for it; returns the call that waits, to make
+        before t is read. As a phase's first collective (Sequencer.phase_alone: a step's) it goes
+        out beside the phase's comparison, which is finished at that wait or sooner, when the next
+        collective goes out, so whatever runs between (the optimizer's step) overlaps the round
+        trip. Elsewhere, or through host copies, it is control_all_reduce, done on return."""
+        if self.world == 1 or self.staged or self.sequencer is not None and not self.sequencer.phase_alone():
+            self.control_all_reduce(t)
+            return lambda: None
+        if self.closed:
+            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
+        self.control_collectives += 1
+        what = lambda: f"agree on the step's gradient flags and norm in micro-batch {self.pass_index}{self._where()}"  # noqa: E731
+        with waiting(what, self.timeout_s):
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def wait() -> None:
+            if self.sequencer is not None:
+                self.sequencer.drain()  # a disagreement raises before the result is read
+            wait_for(work, what, self.timeout_s)
+        return wait
+
     def _in_place(self, t: torch.Tensor, collective, purpose: str) -> None:
         """A blocking in-place `collective(tensor)` (async, returns its work) on t, through a host
         copy where the group is staged."""

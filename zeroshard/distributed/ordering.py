@@ -40,6 +40,10 @@ Which collectives compare what:
   all-reduce): every rank that agrees on the phase runs the same code up to it, so the phase's
   comparison is its check, and it is issued at once, beside that comparison, which is finished
   before its result is read (`Sequencer.phase_alone`): one round trip per step instead of three.
+  Where nothing in the step depends on its answer (no clipping, no finite check, every slot's
+  gradient on this rank), it is read after the optimizer's step (`Comm.start_control_all_reduce`),
+  the comparison finished at that read or at the update's first all-gather: the step overlaps the
+  round trip, and a disagreement raises after this rank stepped (its ranks are out of step then).
   Issuing before the comparison is back pairs nothing wrongly: a rank elsewhere sends a
   comparison of its own first, which meets the phase's and raises there, and never issues a
   collective to pair with this one; a rank in the same phase at another micro-batch issues the

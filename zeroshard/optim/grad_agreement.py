@@ -54,6 +54,31 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     return present, got[-2] > 0, got[-1]
 
 
+def start_agreeing(comm, chunks, grads, inv: float, *, measure_norm: bool, norm_here: bool,
+                   share: tuple[int, int] | None = None):
+    """agree_grads where every slot of every chunk got a gradient on this rank and nothing is
+    decided from the norm (no clipping, no finite check): every slot got one anywhere, so the step
+    need not wait. The same all-reduce goes out (the flags all set: a rank with a slot missing
+    waits in agree_grads for its answer) without waiting (Comm.start_control_all_reduce); returns
+    the call that reads the global squared norm (the ranks' drift and the round trip pass under
+    the step: gpt2-tiny, 2 ranks on 2 cores, interleaved A/B, vs DDP: stage 1 1.040 -> 1.019x,
+    stage 2 1.049 -> 1.031x, step phase 11.2 -> 9.8 ms and 11.6 -> 9.7 ms)."""
+    n = sum(len(c.slots) for c in chunks)
+    local = torch.tensor([1.0] * n + [0.0, 0.0], dtype=torch.float32, device=comm.device)
+    if measure_norm and norm_here:
+        mine = grads
+        if share is not None:
+            r, k = share
+            mine = [None if g is None else g[g.numel() * r // k:g.numel() * (r + 1) // k] for g in grads]
+        local[-1] = squared_norm(mine, inv, exact=False).to(local.device)
+    wait = comm.start_control_all_reduce(local)
+
+    def squared() -> float:
+        wait()
+        return float(local[-1])
+    return squared
+
+
 def replicated_grads(chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool
                      ) -> tuple[list[list[bool]], bool, float]:
     """Stage 0 with peers and no clipping: what agree_grads returns, without a collective. Every

@@ -41,7 +41,7 @@ import torch
 
 from ..errors import NonFiniteError, TierFileError
 from .grad_views import GradViews
-from .grad_agreement import agree_grads, replicated_grads, scale_in_place, sum_across
+from .grad_agreement import agree_grads, replicated_grads, scale_in_place, start_agreeing, sum_across
 from .loss_scale import LossScaler
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
@@ -258,14 +258,22 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         # Stage 0 with peers (the step in the training thread) needs no collective but for the
         # clipping norm, which rank 0 measures for all (a norm measured on each rank could differ
         # in its last bits between ranks that sum in different orders, and so could the replicas).
+        squared_later = None  # reads the global squared norm after the step (start_agreeing)
         if comm is self.comm and self.replicated:
             present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
                                                      measure_norm=self.measure_norm)
+        elif (comm is self.comm and self.clip is None and not finite_check and not self.shards.hybrid
+              and self.tier is None and all(len(got) == len(c.slots) for c, got in zip(self.chunks, seen))):
+            present, overflow, sq = [[True] * len(c.slots) for c in self.chunks], False, 0.0
+            squared_later = start_agreeing(comm, self.chunks, grads, inv, measure_norm=self.measure_norm,
+                                           share=share, norm_here=norm_here)
         else:
             present, overflow, sq = agree_grads(
                 comm, self.chunks, grads, seen, inv, finite_check=finite_check,
                 measure_norm=self.measure_norm, exact_norm=exact, share=share, norm_here=norm_here)
         if overflow or not any(any(p) for p in present):
+            if squared_later is not None:  # no slot at all: its all-reduce is read all the same
+                squared_later()
             self._drop_grads()
             return False, overflow, None
         one_by_one = [i for i, c in enumerate(self.chunks) if c.placement.optimizer_on_host]
@@ -342,6 +350,9 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             if agreed is not None:
                 agreed.append(True)
         self._drop_grads(keep_lasting=True)
+        if squared_later is not None:
+            sq = squared_later()
+            norm = math.sqrt(sq) if self.measure_norm else None
         return True, False, norm
 
     def _step_chunks(self, opt, chunks, target_of) -> list:
