@@ -256,11 +256,16 @@ def prefetch_issued_on_one_rank_then_another_engine(rank, world):
     engine = zeroshard.initialize(tiny_gpt2(), make_sgd, cfg)  # set up before the orphan exists
     train(first, data[:2], rank)  # its values now differ from the other engine's; it prefetches
 
+    def late(module, inputs, out):
+        if rank == 0:  # the others hand block 1's prefetch over first: theirs wait for rank 0's comparison
+            time.sleep(0.3)
+
     def stop(module, inputs, out):
         if rank == 0:
             time.sleep(0.3)  # every comparison handed over is back by now
             first.shards.progress()
         raise RuntimeError("planted failure in forward")
+    first.module.transformer.h[0].register_forward_hook(late)
     first.module.transformer.h[1].register_forward_hook(stop)
     x = data[2][0][rank]
     try:
