@@ -198,7 +198,7 @@ class ChunkCache:
         device memory (a tier's or a host copy is read first). Each rank recorded its own schedule
         (a data-dependent forward may have used others first), so rank 0's list is every rank's:
         gathers no comparison checks must pair."""
-        ahead = 1 if self.cache_chunks is not None else UNLIMITED_AHEAD
+        ahead = self._ahead()
         room = self.cache_chunks if self.cache_chunks is not None else len(self.chunks_by_index)
         head = []
         for i in dict.fromkeys(self.schedule[:1 + ahead]):
@@ -294,6 +294,10 @@ class ChunkCache:
         else:
             self.off_schedule = True
 
+    def _ahead(self) -> int:
+        """Chunks a prefetch gathers beyond the next one in the schedule (Note: prefetch depth)."""
+        return 1 if self.cache_chunks is not None else UNLIMITED_AHEAD
+
     def _maybe_prefetch(self) -> None:
         if not self.prefetch_enabled or self.recording or self.off_schedule:
             return
@@ -305,7 +309,7 @@ class ChunkCache:
         # (an embedding's) leaves no time to gather the next one behind it. With no cache_chunks
         # (nothing is evicted before the step; every chunk is gathered by the forward's end anyway)
         # up to UNLIMITED_AHEAD more whose shards are in memory (Note: prefetch depth).
-        ahead = 1 if self.cache_chunks is not None else UNLIMITED_AHEAD
+        ahead = self._ahead()
         for k in range(j + 1, min(len(sched), j + 1 + ahead)):
             chunk = self.chunks_by_index[sched[k]]
             if sched[k] in self.cached:
