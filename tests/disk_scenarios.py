@@ -343,6 +343,17 @@ def disk_fault_full(rank, world):
         tf.os = os
 
 
+@scenario
+def disk_fault_optimizer_raises(rank, world):
+    """The user's optimizer raising part way through the tier's host loop on one rank: its error
+    there, TierFileError naming it on the others (who waited for its word, not for a timeout)."""
+    def raising(e):
+        def step(*args, **kwargs):
+            raise RuntimeError("the optimizer broke")
+        e.optim.optimizer.step = step
+    return _fault(rank, world, raising)
+
+
 class _OsWith:
     """`os` with some functions replaced (a full disk, for the tier's writes only)."""
 

@@ -97,6 +97,18 @@ def test_a_broken_tier_raises_on_every_rank(res, fault, needle):  # noqa: F811
     assert got["checkpoint_intact"] == 0.0  # the last checkpoint loads as it was saved
 
 
+def test_an_optimizer_raising_in_the_tier_loop_raises_on_every_rank(res):  # noqa: F811
+    r, world = res
+    got = ok(r, "disk_fault_optimizer_raises")
+    raised = got["raised"]
+    assert raised[-1] == "RuntimeError: the optimizer broke", raised
+    if world > 1:
+        assert all(e.startswith("TierFileError") and f"rank {world - 1}" in e and "the optimizer broke" in e
+                   for e in raised[:-1]), raised
+    assert all(e.startswith("TierFileError") and "earlier step" in e for e in got["again"]), got["again"]
+    assert got["checkpoint_intact"] == 0.0
+
+
 def test_a_save_to_a_full_disk_leaves_the_tier_and_the_last_checkpoint_intact(res):  # noqa: F811
     r, _ = res
     got = ok(r, "disk_full_during_save")

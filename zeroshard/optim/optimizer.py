@@ -306,20 +306,20 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                 g.mul_(coef)
             self._views.bind(c, g, has_grad, lasting)
 
-        if together:
-            for i in together:
-                load(self.chunks[i], grads[i], present[i])
-            chunks = [self.chunks[i] for i in together]
-            for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
-                finish(c, target)
         # Disk tier: chunk k is open while k+1 and k+2 are read ahead and k-1 is written behind.
         ahead = {i: [self.chunks[j] for j in disk[n + 1:n + 3]] for n, i in enumerate(disk)}
         failure = None
-        for c in [self.chunks[j] for j in disk[:2]]:
-            self.tier.read_ahead(c)
         # offload_params='disk': the step overwrites each shard's record whole (shard_values(fresh))
         shard_tiers = list({id(c.shard_tier): c.shard_tier for c in self.chunks if c.shard_tier is not None}.values())
         try:
+            if together:
+                for i in together:
+                    load(self.chunks[i], grads[i], present[i])
+                chunks = [self.chunks[i] for i in together]
+                for c, target in zip(chunks, self._step_chunks(opt, chunks, target_of)):
+                    finish(c, target)
+            for c in [self.chunks[j] for j in disk[:2]]:
+                self.tier.read_ahead(c)
             for i in one_by_one:
                 c = self.chunks[i]
                 with self.tier.opened(c, write=True, adopt=True) if c.placement.optimizer_on_disk \
@@ -336,7 +336,11 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
                 self.tier.flush()
             for t in shard_tiers:
                 t.flush()
-        except TierFileError as e:
+        except Exception as e:
+            # With a disk tier the other ranks wait in agree_on_tier for this rank's word: any
+            # failure goes there (the user's optimizer raising, an allocation), not only the tier's.
+            if not disk:
+                raise
             failure = e
             for t in [self.tier, *shard_tiers]:
                 t.fail(e)

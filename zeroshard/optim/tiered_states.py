@@ -56,21 +56,24 @@ class TieredStates:
                     st[k] = torch.empty(v.shape, dtype=v.dtype, device="meta")
 
 
-def agree_on_tier(comm, failure: TierFileError | None) -> None:
-    """After a step's host loop: a rank whose disk tier failed raises its TierFileError and every
-    other rank one naming it, instead of leaving them waiting at their next collective."""
+def agree_on_tier(comm, failure: Exception | None) -> None:
+    """After a step's host loop: a rank whose step failed there (its disk tier's TierFileError, or
+    anything else raised part way, as by the user's optimizer) raises its error and every other
+    rank a TierFileError naming it, instead of leaving them waiting at their next collective."""
     if comm is None or comm.world == 1:
         if failure is not None:
             raise failure
         return
-    everyone = comm.all_gather_objects(None if failure is None else str(failure))
+    said = None if failure is None else (
+        str(failure) if isinstance(failure, TierFileError) else f"{type(failure).__name__}: {failure}")
+    everyone = comm.all_gather_objects(said)
     if failure is not None:
         raise failure
     bad = [(r, m) for r, m in enumerate(everyone) if m is not None]
     if bad:
         r, m = bad[0]
-        raise TierFileError(f"zeroshard: the disk tier of rank {r} failed in this step ({m}); this rank's "
-                            "update is not consistent with it: resume from the last checkpoint")
+        raise TierFileError(f"zeroshard: the optimizer step of rank {r} failed part way through the disk tier "
+                            f"({m}); this rank's update is not consistent with it: resume from the last checkpoint")
 
 
 def state_bytes_by_side(chunks, optimizer) -> dict[bool, int]:
