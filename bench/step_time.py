@@ -39,7 +39,7 @@ holds.
 Peer figures it is compared with (gpt2-tiny, ratio of DDP's step time):
     DDP 0.178 s (1.00)   FSDP2 0.401 s (2.25x)
     DeepSpeed ZeRO-1 1.30x   ZeRO-2 1.13x   ZeRO-3 1.49x
-Our goals (ratio to DDP, bench/run_all.py's GOALS, issue 34): gpt2-tiny stages 1-2 <= 1.03, stage 3
+Our goals (ratio to DDP, bench/parts_step_time.py's GOALS, issue 34): gpt2-tiny stages 1-2 <= 1.03, stage 3
 <= 1.10; gpt2-small-cpu stages 1-2 <= 1.02, stage 3 <= 1.05 (<= 1.10 with a 2-chunk rCache); each
 compiled stage no slower than DDP + compile.
 """
@@ -306,7 +306,7 @@ def print_table(rows, machine, args):
     if args.model == "gpt2-tiny":
         print("\npeers (vs DDP): DDP 0.178 s 1.00, FSDP2 0.401 s 2.25x, DeepSpeed ZeRO-1 1.30x, ZeRO-2 1.13x, "
               "ZeRO-3 1.49x")
-    print("goals per workload (vs DDP): bench/run_all.py's GOALS (gpt2-tiny zs1-zs2 <= 1.03x, zs3 <= 1.10x; "
+    print("goals per workload (vs DDP): bench/parts_step_time.py's GOALS (gpt2-tiny zs1-zs2 <= 1.03x, zs3 <= 1.10x; "
           "gpt2-small-cpu zs1-zs2 <= 1.02x, zs3 <= 1.05x, zs3@2 <= 1.10x; zsN+c <= 1.00x of ddp+c)")
 
 

@@ -134,7 +134,7 @@ def hybrid_auto(rank, world, group):
     """offload/stage 'auto' with shard groups of `group`: planned for the group (a cap between
     ZeRO-3 and ZeRO-3 offload of a G-rank world), trains the single-process model."""
     import zeroshard
-    from scenarios import _auto_caps
+    from offload_memory_scenarios import _auto_caps
     data = batches(3, world, 2, accumulation=2)
     ref, _, _ = reference(tiny_gpt2(), data, make_adamw)
     example = {"input_ids": data[0, 0, rank], "labels": data[0, 0, rank]}

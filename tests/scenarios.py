@@ -1,4 +1,7 @@
-"""Every multi-process scenario, run inside one process group per world size.
+"""The parity scenarios: every stage, precision, accumulation, clipping and offload setting against
+plain PyTorch on the global batch, and SCENARIOS, the registry that also runs step_scenarios',
+delayed_update_scenarios' and offload_memory_scenarios' scenarios, inside one process group per
+world size.
 
 `run_all(rank, world, out_path)` runs each scenario on every rank and rank 0 writes a JSON dict
 {scenario name: figures}. A scenario that raises records {"error": "<Type>: <message>"} (on every
@@ -7,16 +10,16 @@ rank alike: scenarios that raise do so before or at the same collective on all r
 from __future__ import annotations
 
 import functools
-import shutil
-import tempfile
 
 import torch
-import torch.distributed as dist
 
 import zeroshard
-from distributed import WorldResults, record
-from models import (Quirky, batches, delayed_reference, inputs, make_adamw, make_sgd, max_diff, parity,
-                    quirky_data, quirky_loss, reference, tiny_gpt2, train)
+import delayed_update_scenarios
+import offload_memory_scenarios
+import step_scenarios
+from distributed import WorldResults, every_rank, record
+from models import (Quirky, batches, make_adamw, make_sgd, max_diff, quirky_data, quirky_loss, reference, tiny_gpt2,
+                    train)
 
 SCENARIOS = {}
 
@@ -149,14 +152,6 @@ def _add_precision():
 _add_precision()
 
 
-def _gather(obj, world):
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
-
-
 @scenario
 def fp16_overflow_skips_everywhere(rank, world):
     """Huge initial scale: the first step overflows on every rank."""
@@ -166,7 +161,7 @@ def fp16_overflow_skips_everywhere(rank, world):
     before = engine.full_state_dict()
     engine.backward(engine(input_ids=x, labels=x).loss)
     applied = engine.step()
-    return {"applied": _gather(applied, world), "scale": _gather(engine.stats()["loss_scale"], world),
+    return {"applied": every_rank(applied), "scale": every_rank(engine.stats()["loss_scale"]),
             "unchanged": max_diff(engine.full_state_dict(), before) == 0.0}
 
 
@@ -184,7 +179,7 @@ def fp16_overflow_on_one_rank(rank, world):
             loss = loss + engine.module.transformer.ln_f.bias.sum() * 1e30
         engine.backward(loss)
         applied.append(engine.step())
-    return {"applied": _gather(applied, world), "scale": engine.stats()["loss_scale"]}
+    return {"applied": every_rank(applied), "scale": engine.stats()["loss_scale"]}
 
 
 def _add_diverge():
@@ -273,7 +268,7 @@ def prefetch_issued_on_one_rank_then_another_engine(rank, world):
     except RuntimeError:
         pass
     sequencer = first.shards.inside.sequencer
-    unissued = _gather(len(sequencer._queue) if sequencer is not None else 0, world)
+    unissued = every_rank(len(sequencer._queue) if sequencer is not None else 0)
     del first
     train(engine, data, rank)
     return {"unissued": unissued, "diff": max_diff(engine.full_state_dict(), ref)}
@@ -303,7 +298,6 @@ def _add_hf():
 
 
 _add_hf()
-
 
 
 # -- offload (ZeRO-Offload, ZeRO-R P_a+cpu) ------------------------------------------------------
@@ -350,414 +344,9 @@ def _add_offload():
 _add_offload()
 
 
-# -- loss.backward() instead of engine.backward(loss) ----------------------------------------------
-def _add_plain_backward():
-    for stage in range(4):
-        def fn(rank, world, stage=stage):
-            data = batches(4, world, 2, accumulation=2)
-            ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
-            engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 20000,
-                                                                  "gradient_accumulation_steps": 2})
-            for step in data:
-                for micro in step:
-                    engine(input_ids=micro[rank], labels=micro[rank]).loss.backward()
-                    engine.step()
-            return {"diff": max_diff(engine.full_state_dict(), ref), "micro_steps": engine.micro_steps}
-        SCENARIOS[f"plain_backward_stage{stage}"] = fn
-
-
-_add_plain_backward()
-
-
-@scenario
-def plain_backward_fp16_raises(rank, world):
-    engine = zeroshard.initialize(tiny_gpt2(), make_adamw, {"stage": 2, "precision": "fp16", "chunk_size": 20000})
-    x = batches(1, world, 1)[0, 0, rank]
-    try:
-        engine(input_ids=x, labels=x).loss.backward()
-    except RuntimeError as e:
-        return {"raised": str(e)}
-    return {"raised": None}
-
-
-def _add_reads_after_step():
-    for stage in (1, 2):
-        def fn(rank, world, stage=stage):
-            """Stages 1-2 leave each chunk's all-gather in flight when step() returns. Weights read
-            right after step() (a logging or EMA line, state_dict()) must be the updated ones: rank
-            1 steps late, so rank 0's gathers cannot have finished when it reads."""
-            import time
-            data = batches(3, world, 2)
-            ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
-            engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 4000})
-            in_flight = []
-            for step in data:
-                x = step[0][rank]
-                engine.backward(engine(input_ids=x, labels=x).loss)
-                if rank == 1:
-                    time.sleep(0.5)
-                engine.step()
-                in_flight.append(sum(c.arriving is not None for c in engine.chunks))
-                sums = {n: p.detach().double().sum().item() for n, p in engine.module.named_parameters()}
-            state = engine.module.state_dict()
-            return {"in_flight_after_step": in_flight,
-                    "diff_sums": max(abs(sums[n] - float(ref[n].double().sum())) for n in sums),
-                    "diff_state_dict": max_diff(state, ref)}
-        SCENARIOS[f"reads_right_after_step_stage{stage}"] = fn
-
-
-_add_reads_after_step()
-
-
-def gathers_at_the_step_end(rank, world, cache_chunks=None):
-    """Stage 3: when step() returns, the rCache holds the chunks the next forward starts with,
-    already gathering (runtime/cache.py's Note: gathers at the step's end), within its
-    cache_chunks; the model trained and a state dict read right after a step (while those gathers
-    are in flight) are plain PyTorch's."""
-    data = batches(4, world, 2)
-    ref, _, _ = reference(tiny_gpt2(), data, make_sgd)
-    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 3, "chunk_size": 4000,
-                                                          "cache_chunks": cache_chunks})
-    held = []
-    for step in data:
-        x = step[0][rank]
-        engine.backward(engine(input_ids=x, labels=x).loss)
-        engine.step()
-        held.append({"cached": list(engine.cache.cached), "schedule": engine.cache.schedule[:6],
-                     "gathering": sum(c.state.value == "gathering" for c in engine.chunks)})
-    return {"held": held, "diff": max_diff(engine.full_state_dict(), ref)}
-
-
-class Branchy(torch.nn.Module):
-    """A branch that only rank 0's data takes (`use_b`): its parameters get a gradient on one rank."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
-
-    def forward(self, x, use_b):
-        h = torch.tanh(self.a(x))
-        return self.head(h + self.b(h) if use_b else h)
-
-
-def branch_on_one_rank(rank, world, stage):
-    """Stages 1-2: the step's control all-reduce, which a rank with every slot's gradient does not
-    wait for (grad_agreement.start_agreeing) and a rank missing one does (agree_grads), pairs
-    across both: branch b steps everywhere with rank 0's gradient, as plain PyTorch steps it on the
-    global batch (SGD+momentum, then AdamW, fp32, 1e-5)."""
-    loss = lambda m, x, k, r, *_: m(x, use_b=(r == 0)).pow(2).mean()  # noqa: E731
-    out = {}
-    for opt in (make_sgd, make_adamw):
-        engine, diff = parity(rank, world, Branchy, loss, inputs(3, world, 4, 8), opt,
-                              {"stage": stage, "chunk_size": 80})
-        out[opt.__name__] = {"diff": diff, "grad_norm": engine.stats()["grad_norm"]}
-    return out
-
-
-for _stage in (1, 2):  # stage 3 gathers per module: a branch on one rank diverges (DivergedError)
-    SCENARIOS[f"branch_on_one_rank_stage{_stage}"] = functools.partial(branch_on_one_rank, stage=_stage)
-SCENARIOS["gathers_at_the_step_end"] = gathers_at_the_step_end
-SCENARIOS["gathers_at_the_step_end_cache2"] = lambda rank, world: gathers_at_the_step_end(rank, world, 2)
-
-
-def desync_after_a_caught_backward_error(rank, world, stage=2):
-    """Rank 0 raises half-way through a backward (after some chunks were reduced), catches it and
-    carries on, a micro-batch behind the others: every rank must get DivergedError, never a hang.
-    At stage 0 the others' step issues no collective (its STEP comparison meets rank 0's next
-    gradient reduction's); at stages 1-3 the step's control all-reduce goes out beside it."""
-    import time
-    from zeroshard import DivergedError
-    if world == 1:
-        return {"raised": "n/a at world 1"}
-    data = batches(6, world, 2)
-    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": stage, "chunk_size": 4000})
-    fail = {"now": False}
-
-    def planted(grad):
-        if fail["now"]:
-            raise ValueError("planted failure in backward")
-        return grad
-
-    def hook_output(module, inputs, out):
-        t = out[0] if isinstance(out, tuple) else out
-        if t.requires_grad:
-            t.register_hook(planted)
-    engine.module.transformer.h[0].register_forward_hook(hook_output)
-    t0 = time.perf_counter()
-    try:
-        for k, step in enumerate(data):
-            x = step[0][rank]
-            fail["now"] = rank == 0 and k == 2
-            try:
-                engine.backward(engine(input_ids=x, labels=x).loss)
-            except ValueError:
-                continue  # what a user's try/except around a step does
-            engine.step()
-    except DivergedError as e:
-        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
-    else:
-        mine = {"raised": None}
-    return {"ranks": _gather(mine, world)}
-
-
-for _stage in (0, 1, 2):
-    SCENARIOS["desync_after_a_caught_backward_error" + ("" if _stage == 2 else f"_stage{_stage}")] = \
-        lambda rank, world, stage=_stage: desync_after_a_caught_backward_error(rank, world, stage)
-
-
-@scenario
-def desync_after_a_skipped_step_stage0(rank, world):
-    """Stage 0: the last rank leaves out one engine.step() that the others make (a step issues no
-    collective there: its STEP tag rides on the next comparison, ordering.py); every rank must get
-    DivergedError at the next gradient reduction, naming the step, never a hang or an update
-    applied by some ranks only without a word."""
-    import time
-    from zeroshard import DivergedError
-    if world == 1:
-        return {"raised": "n/a at world 1"}
-    data = batches(6, world, 2)
-    engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {"stage": 0, "chunk_size": 4000})
-    t0 = time.perf_counter()
-    try:
-        for k, step in enumerate(data):
-            x = step[0][rank]
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            if not (rank == world - 1 and k == 2):
-                engine.step()
-    except DivergedError as e:
-        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300],
-                "at": k}
-    else:
-        mine = {"raised": None}
-    return {"ranks": _gather(mine, world)}
-
-
-def desync_after_a_caught_step_error(rank, world, stage=2, clip=1.0):
-    """Rank 0's optimizer step raises after the step's first collective (the control all-reduce,
-    with the clipping norm); it catches the error and trains on, a step behind the others, which
-    went on to the step's all-gathers (stage 3: the next forward's first gathers, rCache's Note:
-    gathers at the step's end): every rank must get DivergedError, never a hang."""
-    import time
-    from zeroshard import DivergedError
-    if world == 1:
-        return {"raised": "n/a at world 1"}
-    data = batches(6, world, 2)
-    planted = {"now": False}
-
-    class FailingSGD(torch.optim.SGD):
-        def step(self, closure=None):
-            if planted["now"]:
-                raise ValueError("planted failure in the optimizer step")
-            return super().step(closure)
-
-    engine = zeroshard.initialize(tiny_gpt2(), lambda ps: FailingSGD(ps, lr=0.05, momentum=0.9),
-                                  {"stage": stage, "chunk_size": 4000, "clip_grad_norm": clip})
-    t0 = time.perf_counter()
-    guarded = None  # after the failed step: (chunks still arriving, torch function modes on the stack)
-    try:
-        for k, step in enumerate(data):
-            x = step[0][rank]
-            engine.backward(engine(input_ids=x, labels=x).loss)
-            planted["now"] = rank == 0 and k == 2
-            try:
-                engine.step()
-            except ValueError:
-                guarded = (sum(c.arriving is not None for c in engine.chunks), torch._C._len_torch_function_stack())
-                if stage == 3:  # no arrivals nor guard: the next forward's first chunks, gathering as the peers'
-                    guarded = (len(engine.cache.cached), torch._C._len_torch_function_stack())
-                continue
-    except DivergedError as e:
-        mine = {"raised": "DivergedError", "seconds": time.perf_counter() - t0, "message": str(e)[:300]}
-    else:
-        mine = {"raised": None}
-    mine["guarded"] = guarded
-    return {"ranks": _gather(mine, world)}
-
-
-SCENARIOS["desync_after_a_caught_step_error"] = desync_after_a_caught_step_error
-SCENARIOS["desync_after_a_caught_step_error_stage1"] = \
-    lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=1, clip=None)
-SCENARIOS["desync_after_a_caught_step_error_stage3"] = \
-    lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=3, clip=None)
-
-
-# -- delayed parameter update (ZeRO-Offload's DPU) ---------------------------------------------------
-DELAYED_CASES = {  # name: (precision, optimizer factory, accumulation, clip, lr decay per step)
-    "fp32_sgd_lrdecay": ("fp32", make_sgd, 1, None, 0.8),
-    "fp32_adamw_accum2_clip": ("fp32", make_adamw, 2, 0.5, 1.0),
-    "bf16_sgd": ("bf16", make_sgd, 1, None, 1.0),
-    "bf16_cpuadamw": ("bf16", zeroshard.CPUAdamW, 1, None, 1.0),
-}
-
-
-def _train_delayed(engine, data, rank, lr_decay, start=0, stop=None, save=None):
-    """train() with an LR change after every step; `save`: (step, directory) to checkpoint after."""
-    for k, step in enumerate(data[start:stop], start):
-        for micro in step:
-            engine.backward(engine(input_ids=micro[rank], labels=micro[rank]).loss)
-            engine.step()
-        for g in engine.optimizer.param_groups:
-            g["lr"] *= lr_decay
-        if save is not None and k == save[0]:
-            engine.save_checkpoint(save[1], tag="mid")
-
-
-def _add_delayed():
-    for case, (prec, opt, accumulation, clip, decay) in DELAYED_CASES.items():
-        for stage in (1, 2, 3):
-            if prec != "fp32" and stage != 2:
-                continue
-            def fn(rank, world, prec=prec, opt=opt, accumulation=accumulation, clip=clip, decay=decay,
-                   stage=stage):
-                data = batches(5, world, 2, accumulation)
-                ref = delayed_reference(tiny_gpt2(), data, opt, 2, clip, decay)
-                exact, _, _ = reference(tiny_gpt2(), data, opt, clip)
-                engine = zeroshard.initialize(tiny_gpt2(), opt, {
-                    "stage": stage, "precision": prec, "chunk_size": 20000, "offload_optimizer": True,
-                    "gradient_accumulation_steps": accumulation, "clip_grad_norm": clip, "delay_update_after": 2})
-                _train_delayed(engine, data, rank, decay)
-                sd = engine.full_state_dict()
-                return {"diff": max_diff(sd, ref), "vs_exact": max_diff(sd, exact), **engine.stats()}
-            SCENARIOS[f"delayed_{case}_stage{stage}"] = fn
-
-
-_add_delayed()
-
-
-@scenario
-def delayed_checkpoint_resume(rank, world):
-    """A checkpoint saved while an update is in flight, resumed by a new engine at another stage,
-    continues exactly as the run that saved it."""
-    data = batches(6, world, 2)
-    cfg = {"stage": 2, "chunk_size": 20000, "offload_optimizer": True, "delay_update_after": 1}
-    root = tempfile.mkdtemp() if rank == 0 else None
-    root = _gather(root, world)[0]
-    whole = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
-    _train_delayed(whole, data, rank, 0.9, save=(2, root))
-    resumed = zeroshard.initialize(tiny_gpt2(), make_adamw, {**cfg, "stage": 3})
-    resumed.load_checkpoint(root, tag="mid")  # param groups too: the decayed lr
-    _train_delayed(resumed, data, rank, 0.9, start=3)
-    out = {"diff": max_diff(whole.full_state_dict(), resumed.full_state_dict()),
-           "lr": [whole.optimizer.param_groups[0]["lr"], resumed.optimizer.param_groups[0]["lr"]]}
-    _gather(None, world)  # every rank is done reading before rank 0 removes the files
-    if rank == 0:
-        shutil.rmtree(root)
-    return out
-
-
-class _Failing(torch.optim.SGD):
-    """SGD that raises once its param group says "fail" (set by the user between steps)."""
-
-    def step(self, closure=None):
-        if self.param_groups[0].get("fail"):
-            raise ValueError("planted failure")
-        return super().step(closure)
-
-
-@scenario
-def delayed_step_failure(rank, world):
-    """An exception in the background step is raised by the next step(), on every rank."""
-    data = batches(5, world, 2)
-    engine = zeroshard.initialize(tiny_gpt2(), lambda ps: _Failing(ps, lr=0.05),
-                                  {"stage": 2, "chunk_size": 20000, "offload_optimizer": True,
-                                   "delay_update_after": 1})
-    out = {"raised": None}
-    for k, step in enumerate(data):
-        engine.backward(engine(input_ids=step[0][rank], labels=step[0][rank]).loss)
-        try:
-            engine.step()
-        except RuntimeError as e:
-            out = {"raised": str(e), "at_step": k}
-            break
-        engine.optimizer.param_groups[0]["fail"] = k == 2  # the update launched at step 3 fails
-    return out
-
-
-@scenario
-def offload_memory_bf16_adamw(rank, world):
-    """Per-rank model-state bytes by device with offload, bf16 + AdamW (one micro-batch per step)."""
-    out = {}
-    data = batches(2, world, 2)
-    for name, cfg in (("s1_opt", {"stage": 1, "offload_optimizer": True}),
-                      ("s2_opt", {"stage": 2, "offload_optimizer": True}),
-                      ("s3_opt", {"stage": 3, "offload_optimizer": True}),
-                      ("s3_params", {"stage": 3, "offload_params": True}),
-                      ("s3_all", {"stage": 3, "offload_optimizer": True, "offload_params": True,
-                                  "cache_chunks": 2})):
-        engine = zeroshard.initialize(tiny_gpt2(), zeroshard.CPUAdamW,
-                                      {"precision": "bf16", "chunk_size": 20000, **cfg})
-        train(engine, data[:-1], rank)
-        gathered = []  # shard bytes of every gather in the last step
-        for c in engine.chunks:
-            def spy(comm, compare=True, c=c, real=c.start_gather):
-                gathered.append(c.shard_numel * 2)
-                real(comm, compare)
-            c.start_gather = spy
-        train(engine, data[-1:], rank)
-        s = engine.stats()
-        s["shard_bytes"] = sum(c.shard_numel * 2 for c in engine.chunks)
-        s["trainable_shard_bytes"] = sum(c.shard_numel * 2 for c in engine.chunks if c.trainable)
-        s["gathered_shard_bytes"] = sum(gathered)
-        s["gathers"] = len(gathered)
-        s["num_chunks"] = len(engine.chunks)
-        out[name] = s
-    return out
-
-
-# -- Elixir: offload="auto" -----------------------------------------------------------------------
-AUTO_CASES = {  # name: (precision, optimizer factory)
-    "fp32_sgd": ("fp32", make_sgd),
-    "fp32_adamw": ("fp32", make_adamw),
-    "bf16_cpuadamw": ("bf16", zeroshard.CPUAdamW),
-}
-
-
-def _auto_caps(world, prec, opt, example):
-    """Device memory caps for the planner: generous (1 TiB) and tight (between what ZeRO-3 and
-    ZeRO-3 offload need on the chunks the planner picks at that cap)."""
-    from zeroshard.planning.auto_plan import optimizer_state_bytes
-    from zeroshard.distributed.collectives import default_device
-    from zeroshard.planning.hardware import probe
-    from zeroshard.planning.planner import FRAGMENTATION, Planner, Target
-
-    prof = zeroshard.profile(tiny_gpt2(), example, dtype=prec)
-    hw = probe(default_device())  # the engine plans for its own device (on CUDA: with the driver reserve)
-
-    def planner(cap):
-        return Planner(prof, Target(hw.with_(device_memory=cap), world=world, accumulation=2,
-                                    optimizer_state_bytes=optimizer_state_bytes(opt)))
-    base = {b.name: b.device_bytes for b in planner(1 << 40).baselines()}
-    tight = int((base["ZeRO-3"] + base["ZeRO-3 offload"]) / 2 / FRAGMENTATION)
-    zero3_need = {b.name: b.device_bytes for b in planner(tight).baselines()}["ZeRO-3"] / FRAGMENTATION
-    return {"generous": 1 << 40, "tight": tight}, zero3_need
-
-
-def _add_auto():
-    for case, (prec, opt) in AUTO_CASES.items():
-        def fn(rank, world, prec=prec, opt=opt):
-            data = batches(3, world, 2, accumulation=2)
-            ref, _, _ = reference(tiny_gpt2(), data, opt)
-            x = data[0, 0, rank]
-            example = {"input_ids": x, "labels": x}
-            caps, zero3_need = _auto_caps(world, prec, opt, example)
-            out = {"zero3_need": zero3_need}
-            for name, cap in caps.items():
-                cfg = {"stage": "auto", "offload": "auto", "precision": prec, "device_memory": cap,
-                       "gradient_accumulation_steps": 2}
-                engine = zeroshard.initialize(tiny_gpt2(), opt, cfg, example_inputs=example)
-                train(engine, data, rank)
-                plan = engine.plan
-                out[name] = {"diff": max_diff(engine.full_state_dict(), ref), "cap": cap, **engine.stats(),
-                             "plan": plan.describe(), "plan_stage": plan.stage, "plan_fits": plan.fits,
-                             "offloaded_chunks": plan.offloaded_chunks,
-                             "predicted_device_model_bytes": plan.device_model_bytes,
-                             "predicted_device_bytes": plan.device_bytes}
-            return out
-        SCENARIOS[f"auto_{case}"] = fn
-
-
-_add_auto()
+# The registry runs the parity scenarios above, then these modules' scenarios, in this order.
+for _module in (step_scenarios, delayed_update_scenarios, offload_memory_scenarios):
+    SCENARIOS.update(_module.SCENARIOS)
 
 
 def run_all(rank, world, out_path, only=None, registry=None):

@@ -10,7 +10,8 @@ import pytest
 
 from distributed import ok
 from models import ADAMW_TOL
-from scenarios import AUTO_CASES, PARITY
+from offload_memory_scenarios import AUTO_CASES
+from scenarios import PARITY
 
 RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 

@@ -11,9 +11,10 @@ apart; it is there for the fused 16-bit copy path, which only CPUAdamW takes.
 """
 import pytest
 
+from delayed_update_scenarios import DELAYED_CASES
 from distributed import ok
 from models import ADAMW_TOL
-from scenarios import DELAYED_CASES, PARITY
+from scenarios import PARITY
 
 RESULTS = PARITY  # read by the `res` fixture (conftest.py)
 
@@ -132,7 +133,7 @@ def test_a_failed_delayed_step_leaves_no_gradient_behind():
     dropped with it (found in review: they were added to step 5's). Applied: steps 1 (exact), 2, 5
     and 6, each -1 at lr 1."""
     import torch
-    from scenarios import _Failing
+    from delayed_update_scenarios import _Failing
     import zeroshard
     engine = zeroshard.initialize(_Weights(), lambda ps: _Failing(ps, lr=1.0),
                                   {"stage": 2, "offload_optimizer": True, "delay_update_after": 1})

@@ -1,6 +1,6 @@
-"""Behaviour scenarios ported from DeepSpeed's and FSDP2's test suites (tests/peer_scenarios.py names
-the peer file of each), at world sizes 1, 2 and 3 and every stage. Tolerances: fp32 SGD with
-momentum 1e-5; Adam, AdamW and Adagrad ADAMW_TOL (see tests/models.py)."""
+"""Behaviour scenarios ported from DeepSpeed's and FSDP2's test suites (tests/peer_scenarios.py and
+the modules it merges name the peer file of each), at world sizes 1, 2 and 3 and every stage.
+Tolerances: fp32 SGD with momentum 1e-5; Adam, AdamW and Adagrad ADAMW_TOL (see tests/models.py)."""
 import pytest
 
 from distributed import WorldResults, ok

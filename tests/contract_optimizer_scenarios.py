@@ -1,0 +1,167 @@
+"""Contract scenarios on what the optimizer steps (contract_scenarios.py): param groups and LR
+schedules, parameters whose requires_grad changes after initialize, modules some steps or ranks
+skip, and a loss that does not come from the engine's forward.
+"""
+from __future__ import annotations
+
+import torch
+
+import zeroshard
+from contract_common import loss_of, per_optimizer_and_stage
+from models import batches, inputs, make_adamw, max_diff, parity, tiny_gpt2
+
+SCENARIOS = {}
+
+
+# -- optimizer param groups ------------------------------------------------------------------------
+def grouped_adamw(model, lr=1e-3, cls=torch.optim.AdamW):
+    """The fine-tuning scripts' optimizer: weight decay 0.1 on weights, none on biases and norms,
+    and the embeddings' group at a second learning rate."""
+    decay, no_decay, embed = [], [], []
+    for name, p in model.named_parameters():
+        if "wte" in name or "wpe" in name:
+            embed.append(p)
+        elif name.endswith("bias") or ".ln_" in name or name.startswith("transformer.ln_f"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return cls([{"params": decay, "weight_decay": 0.1},
+                {"params": no_decay, "weight_decay": 0.0},
+                {"params": embed, "weight_decay": 0.1, "lr": lr / 2}], lr=lr)
+
+
+def schedule(opt):
+    from transformers import get_linear_schedule_with_warmup
+    return get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=6)
+
+
+def param_groups(rank, world, stage, form="instance", extra=None):
+    """Two-group AdamW (three groups: decay, no decay, embeddings at half the lr) through
+    get_linear_schedule_with_warmup, as every fine-tuning script builds it: an optimizer instance
+    over the model's parameters (`form` 'instance'), or a callable that ignores the tensors it is
+    given and builds the same groups from the model (`form` 'factory': trained nothing before)."""
+    data = batches(4, world, 2)
+    ref_model = tiny_gpt2()
+    ref_opt = grouped_adamw(ref_model)
+    ref_sched = schedule(ref_opt)
+    lrs_ref = []
+    for step in data:
+        loss_of(ref_model, step.reshape(-1, step.shape[-1])).backward()
+        ref_opt.step()
+        ref_sched.step()
+        ref_opt.zero_grad()
+        lrs_ref.append([g["lr"] for g in ref_opt.param_groups])
+    model = tiny_gpt2()
+    opt = {"instance": lambda: grouped_adamw(model), "factory": lambda: (lambda ps: grouped_adamw(model)),
+           "cpu_adam": lambda: grouped_adamw(model, cls=zeroshard.CPUAdamW)}[form]()
+    engine = zeroshard.initialize(model, opt, {"stage": stage, "chunk_size": 20000, **(extra or {})})
+    sched = schedule(engine.optimizer)
+    lrs = []
+    for step in data:
+        engine.backward(loss_of(engine, step[0, rank]))
+        engine.step()
+        sched.step()
+        lrs.append([g["lr"] for g in engine.optimizer.param_groups])
+    return {"diff": max_diff(engine.full_state_dict(), ref_model.state_dict()), "lrs_match": lrs == lrs_ref,
+            "same_optimizer": form == "factory" or engine.optimizer is opt,
+            "groups": len(engine.optimizer.param_groups)}
+
+
+for _stage in range(4):
+    SCENARIOS[f"param_groups_stage{_stage}"] = lambda rank, world, stage=_stage: param_groups(rank, world, stage)
+    SCENARIOS[f"param_groups_factory_stage{_stage}"] = (lambda rank, world, stage=_stage:
+                                                        param_groups(rank, world, stage, "factory"))
+for _stage in (1, 2, 3):
+    SCENARIOS[f"param_groups_offload_stage{_stage}"] = (lambda rank, world, stage=_stage: param_groups(
+        rank, world, stage, extra={"offload_optimizer": True}))
+    # zeroshard's CPU Adam (its compiled kernel in bf16: the master and the 16-bit copy in one pass)
+    SCENARIOS[f"param_groups_cpu_adam_stage{_stage}"] = (lambda rank, world, stage=_stage: param_groups(
+        rank, world, stage, "cpu_adam", extra={"offload_optimizer": True}))
+    SCENARIOS[f"param_groups_cpu_adam_bf16_stage{_stage}"] = (lambda rank, world, stage=_stage: param_groups(
+        rank, world, stage, "cpu_adam", extra={"offload_optimizer": True, "precision": "bf16"}))
+
+
+# -- requires_grad changed after initialize, parameters without a gradient in some steps --------
+FROZEN = "transformer.h.0.mlp.c_fc.weight"
+
+
+def requires_grad_changes(rank, world, make_opt, stage, when):
+    """A parameter frozen after initialize: 'before_forward' (while the first forward records the
+    order of first use), then unfrozen after 2 steps; or 'after_steps' (frozen after 2 steps of
+    training). torch does not step a parameter whose .grad is None: no momentum, no weight decay
+    (issue 14, defect 1: it landed in a frozen chunk for good, or kept moving under Adam)."""
+    data = batches(4, world, 2)
+
+    def flip(p, k):  # p: a reference taken before initialize (stage 3 puts placeholders in the model)
+        if when == "before_forward":
+            p.requires_grad_(k >= 2)
+        elif k == 2:
+            p.requires_grad_(False)
+
+    ref = tiny_gpt2()
+    opt = make_opt(list(ref.parameters()))
+    for k, step in enumerate(data):
+        flip(ref.get_parameter(FROZEN), k)
+        loss_of(ref, step.reshape(-1, step.shape[-1])).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model = tiny_gpt2()
+    p = model.get_parameter(FROZEN)
+    engine = zeroshard.initialize(model, make_opt, {"stage": stage, "chunk_size": 20000})
+    for k, step in enumerate(data):
+        flip(p, k)
+        engine.backward(loss_of(engine, step[0, rank]))
+        engine.step()
+    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict())}
+
+
+for _when in ("before_forward", "after_steps"):
+    for _stage in range(4):
+        SCENARIOS[f"requires_grad_{_when}_stage{_stage}"] = (
+            lambda rank, world, stage=_stage, when=_when: requires_grad_changes(rank, world, make_adamw, stage, when))
+
+
+class Gated(torch.nn.Module):
+    """y = head(tanh(a(h) [+ b(h)])): `b` runs only where asked (dynamic control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x, use_b: bool):
+        h = torch.tanh(self.emb(x))
+        y = self.a(h) + self.b(h) if use_b else self.a(h)
+        return self.head(torch.tanh(y))
+
+
+def uses_b(k: int, r: int) -> bool:
+    """Step 0 and 3: every rank; step 1: rank 1 only; step 2: no rank."""
+    return {0: True, 1: r == 1, 2: False, 3: True}[k]
+
+
+def dynamic_control_flow(rank, world, make_opt, stage):
+    """A module run in some steps and not others, and on some ranks only: where no rank ran it,
+    torch leaves it alone (no momentum step, no weight decay); where one rank did, its gradient
+    counts (issue 14, defect 1: it moved under momentum with a zero gradient)."""
+    _, diff = parity(rank, world, Gated, lambda m, x, k, r, _: m(x, uses_b(k, r)).pow(2).mean(),
+                     inputs(4, world, 4, 8), make_opt, {"stage": stage, "chunk_size": 300})
+    return {"diff": diff}
+
+
+per_optimizer_and_stage(SCENARIOS, "dynamic_control_flow", dynamic_control_flow)
+
+
+def loss_from_another_model(rank, world, make_opt, stage):
+    """engine.backward on a loss that does not come from this engine's forward: no parameter of
+    this model gets a gradient, so step() returns False and changes nothing (issue 14, defect 4)."""
+    engine = zeroshard.initialize(tiny_gpt2(), make_opt, {"stage": stage, "chunk_size": 20000})
+    before = engine.full_state_dict()
+    other = torch.nn.Linear(4, 1)
+    engine.backward(other(torch.ones(2, 4)).sum())
+    applied = engine.step()
+    return {"diff": max_diff(engine.full_state_dict(), before), "applied": applied, "steps": engine.steps}
+
+
+per_optimizer_and_stage(SCENARIOS, "loss_from_another_model", loss_from_another_model)
