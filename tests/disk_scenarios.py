@@ -119,19 +119,20 @@ class _UsedBackwards(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).pow(2).mean()
 
 
-@scenario
-def disk_repacked_and_thawed(rank, world):
-    """A re-pack after the first micro-batch, and a layer frozen at initialize and unfrozen after
-    the first step: the disk tier trains what the host tier trains."""
+def repacked_and_thawed(rank, world, stage: int, cases, plain: dict, tiered: dict) -> dict:
+    """_UsedBackwards trained 4 steps under the `plain` config and under the `tiered` one, per case:
+    "repack" (re-packed after the first micro-batch), "frozen" (b frozen throughout), "thaw" (b
+    frozen at initialize and unfrozen after the first step). Per case: the largest difference of
+    the two runs' weights, and the first parameter packed (the tiered run's)."""
     x = torch.randn(4, world, 6, 24, generator=torch.Generator().manual_seed(3))
     out = {}
-    for name in ("repack", "thaw"):
+    for name in cases:
         sds = []
-        for cfg in ({"offload_optimizer": True}, disk({})):
+        for cfg in (plain, tiered):
             m = _UsedBackwards()
-            if name == "thaw":
+            if name in ("frozen", "thaw"):
                 m.b.requires_grad_(False)
-            e = zeroshard.initialize(m, make_sgd, {"stage": 2, "chunk_size": 600, **cfg})
+            e = zeroshard.initialize(m, make_sgd, {"stage": stage, "chunk_size": 600, **cfg})
             for k in range(4):
                 if name == "thaw" and k == 1:
                     m.b.requires_grad_(True)
@@ -142,6 +143,13 @@ def disk_repacked_and_thawed(rank, world):
         out[name] = max_diff(*sds)
         out[f"{name}_first_packed"] = first
     return out
+
+
+@scenario
+def disk_repacked_and_thawed(rank, world):
+    """A re-pack after the first micro-batch, and a layer frozen at initialize and unfrozen after
+    the first step: the disk tier trains what the host tier trains."""
+    return repacked_and_thawed(rank, world, 2, ("repack", "thaw"), {"offload_optimizer": True}, disk({}))
 
 
 @scenario

@@ -13,9 +13,9 @@ import torch
 
 import zeroshard
 from disk_scenarios import _fault as disk_fault
-from disk_scenarios import CASES, _OsWith, _shared_root, _UsedBackwards, disk, disk_files_removed_with_the_engine
+from disk_scenarios import CASES, _OsWith, _shared_root, disk, disk_files_removed_with_the_engine, repacked_and_thawed
 from distributed import WorldResults, every_rank, record
-from models import batches, digest, make_adamw, make_sgd, max_diff, tiny_gpt2, train
+from models import batches, digest, make_adamw, max_diff, tiny_gpt2, train
 
 SCENARIOS = {}
 HOST = {"offload_optimizer": True, "offload_params": True}  # what the parameter tier must equal
@@ -59,25 +59,7 @@ def pdisk_frozen_repacked_thawed(rank, world):
     """Stage 3 with the shards on disk: a re-pack after the first micro-batch, a layer frozen
     throughout (its shard's only copy is on disk), and a layer frozen at initialize and unfrozen
     after the first step: each trains what the host tier trains."""
-    x = torch.randn(4, world, 6, 24, generator=torch.Generator().manual_seed(3))
-    out = {}
-    for name in ("repack", "frozen", "thaw"):
-        sds = []
-        for cfg in (HOST, params_disk({})):
-            m = _UsedBackwards()
-            if name in ("frozen", "thaw"):
-                m.b.requires_grad_(False)
-            e = zeroshard.initialize(m, make_sgd, {"stage": 3, "chunk_size": 600, **cfg})
-            for k in range(4):
-                if name == "thaw" and k == 1:
-                    m.b.requires_grad_(True)
-                e.backward(e(x[k, rank]))
-                e.step()
-            sds.append(e.full_state_dict())
-            first = e.chunks[0].slots[0].name
-        out[name] = max_diff(*sds)
-        out[f"{name}_first_packed"] = first
-    return out
+    return repacked_and_thawed(rank, world, 3, ("repack", "frozen", "thaw"), HOST, params_disk({}))
 
 
 @scenario
