@@ -210,8 +210,7 @@ class Comm:
         own (OTHER); an untagged async one (the all-gathers of an update) after everything handed
         over (ordering.py says why they need no comparison of their own). A lost or stopped
         peer, at the issue or the wait: PeerLostError naming the tag, or `purpose`, and the step."""
-        if self.closed:
-            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
+        self._refuse_if_closed()
         what = (lambda: describe_tag(order_tag(*tag, self.pass_index)) + self._where()) if tag is not None else \
             (lambda: f"{purpose} in micro-batch {self.pass_index}{self._where()}")
         issue = collective
@@ -238,6 +237,10 @@ class Comm:
         if work is not None:
             wait_for(work, what, self.timeout_s)
         return None
+
+    def _refuse_if_closed(self) -> None:
+        if self.closed:
+            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
 
     def _where(self) -> str:
         return f" at optimizer step {self.step}"
@@ -414,8 +417,7 @@ class Comm:
         if self.world == 1 or self.staged or self.sequencer is not None and not self.sequencer.phase_alone():
             self.control_all_reduce(t)
             return lambda: None
-        if self.closed:
-            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
+        self._refuse_if_closed()
         self.control_collectives += 1
         what = lambda: f"agree on the step's gradient flags and norm in micro-batch {self.pass_index}{self._where()}"  # noqa: E731
         with waiting(what, self.timeout_s):
