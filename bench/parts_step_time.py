@@ -29,15 +29,19 @@ GOALS = {"gpt2-tiny": {"zs1": 1.03, "zs2": 1.03, "zs3": 1.10,
                        "zs0+c": 1.00, "zs1+c": 1.00, "zs2+c": 1.00, "zs3+c": 1.00},
          "gpt2-small-cpu": {"zs1": 1.02, "zs2": 1.02, "zs3": 1.05, "zs3@2": 1.10,
                             "zs0+c": 1.00, "zs1+c": 1.00, "zs2+c": 1.00, "zs3+c": 1.00}}
+# Issue 34's goal on a phase rather than the whole step: stage 0's step phase at most DDP's, at DDP's work
+# (zs0-nonorm: config grad_norm=False). The default's (zs0) is shown beside it with no goal: it measures
+# the gradient's global norm for stats(), a pass over the gradient DDP does not make.
+PHASE_GOALS = {"zs0": ("step", None), "zs0-nonorm": ("step", 1.00)}
 PHASES = ("forward", "backward", "step")  # step_time.py's phases_s keys
 LABELS = {"ddp": "torch DDP", "fsdp2": "torch FSDP2 (per block)", "zs0": "zeroshard stage 0",
           "zs1": "zeroshard stage 1", "zs2": "zeroshard stage 2", "zs3": "zeroshard stage 3",
           "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3",
-          "zs3@2": "zeroshard stage 3, 2-chunk rCache", "ddp+c": "torch DDP + compile",
+          "zs3@2": "zeroshard stage 3, 2-chunk rCache", "zs0-nonorm": "zeroshard stage 0, grad_norm off", "ddp+c": "torch DDP + compile",
           **{f"zs{i}+c": f"zeroshard stage {i} + compile" for i in range(4)}}
 
 
-STEP_TIME_SYSTEMS = "ddp,fsdp2,zs0,zs1,zs2,zs3,zs3@2,ddp+c,zs0+c,zs1+c,zs2+c,zs3+c"
+STEP_TIME_SYSTEMS = "ddp,fsdp2,zs0,zs0-nonorm,zs1,zs2,zs3,zs3@2,ddp+c,zs0+c,zs1+c,zs2+c,zs3+c"
 DEEPSPEED_SYSTEMS = "ds1,ds2,ds3"
 
 
@@ -135,6 +139,16 @@ def goal_cell(workload, r) -> str:
     return f"<= {goal:.2f}{against} ({goal_ratio(r):.2f}: {'met' if goal_ratio(r) <= goal else 'not met'})"
 
 
+def phase_goal(rows, r):
+    """(phase, ratio of r's median phase to DDP's or None, goal) for a row with a PHASE_GOALS entry, else None."""
+    if r["system"] not in PHASE_GOALS:
+        return None
+    phase, goal = PHASE_GOALS[r["system"]]
+    ddp = next((d for d in rows if d["system"] == "ddp" and (d.get("phases_s") or {}).get(phase)), None)
+    mine = (r.get("phases_s") or {}).get(phase)
+    return phase, (mine / ddp["phases_s"][phase] if ddp and mine is not None else None), goal
+
+
 def render_step_time(ctx, part):
     workloads = part["data"]["workloads"]
     md = ["Per workload: every system built in one launch and run interleaved, in turns of a few steps, the "
@@ -149,7 +163,9 @@ def render_step_time(ctx, part):
           "1 thread each.", "",
           "Goals (ratio to DDP): " + "; ".join(
               f"{wl} " + ", ".join(f"{LABELS[s].replace('zeroshard ', '')} <= {g:.2f}" for s, g in goals.items())
-              for wl, goals in GOALS.items()) + "."]
+              for wl, goals in GOALS.items()) + "; on both, "
+          + ", ".join(f"{LABELS[s].replace('zeroshard ', '')}: its {ph} phase <= {g:.2f} of DDP's"
+                      for s, (ph, g) in PHASE_GOALS.items() if g is not None) + "."]
     summary = []
     plots = []
     for workload, data in workloads.items():
@@ -183,8 +199,8 @@ def render_step_time(ctx, part):
             losses = ", ".join(f"{v:.6f}" for v in r["losses"][:3])
             md.append(f"| {name} | {r['median_s']:.3f} | {ratio} | {phases} | {losses} | "
                       f"{'ok' if losses_ok(r, ref) else 'MISMATCH'} | {anchor_s} | {goal} |")
-            if r["system"] in GOALS.get(workload, {}):
-                summary.append((workload, r))
+            if r["system"] in GOALS.get(workload, {}) or r["system"] in PHASE_GOALS:
+                summary.append((workload, r, rows))
         md.append("")
         compiled = [r for r in rows if r.get("compile_s") is not None]
         if compiled:
@@ -208,12 +224,17 @@ def render_step_time(ctx, part):
     if summary:
         md += ["", "### Goals", "", "| workload | system | vs DDP (compiled: vs DDP + compile) | goal | met |",
                "|---|---|---|---|---|"]
-        for workload, r in summary:
-            goal = GOALS[workload][r["system"]]
-            got = goal_ratio(r)
-            met = "-" if got is None else ("yes" if got <= goal else "no")
+        for workload, r, rows in summary:
+            what = LABELS[r["system"]]
+            if r["system"] in PHASE_GOALS:
+                phase, got, goal = phase_goal(rows, r)
+                what += f", {phase} phase (vs DDP's)"
+            else:
+                got, goal = goal_ratio(r), GOALS[workload][r["system"]]
+            met = "-" if got is None or goal is None else ("yes" if got <= goal else "no")
             ratio = f"{got:.2f}" if got is not None else "-"
-            md.append(f"| {workload} | {LABELS[r['system']]} | {ratio} | <= {goal:.2f} | {met} |")
+            bound = f"<= {goal:.2f}" if goal is not None else "none (with the gradient's norm, which DDP does not make)"
+            md.append(f"| {workload} | {what} | {ratio} | {bound} | {met} |")
     return md, plots
 
 

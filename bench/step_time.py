@@ -1,10 +1,14 @@
 """Step time of zeroshard stages 0-3 next to torch DDP, torch FSDP2 and DeepSpeed ZeRO 1-3, same model, same run, CPU.
 
     torchrun --standalone --nproc_per_node 2 bench/step_time.py [--model gpt2-tiny] [--steps 20] [--warmup 3]
-        [--block 5] [--json out.json] [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,ds1,ds2,ds3][,ddp+c,zs0+c,...,zs3+c]] [--cache-chunks N] [--chunk-size N]
+        [--block 5] [--json out.json] [--cache-chunks N] [--chunk-size N]
+        [--systems ddp,fsdp2,zs0,zs1,zs2,zs3[,zs0-nonorm][,zs3@N][,ds1,ds2,ds3][,ddp+c,zs0+c,...,zs3+c]]
         [--check-order | --no-check-order] [--grad-norm | --no-grad-norm] [--phase-sync]
 
 "zs3@N" is stage 3 with an N-chunk rCache beside the others (whatever --cache-chunks gives them).
+"zs0-nonorm" is stage 0 with config grad_norm=False whatever --grad-norm says: DDP's work per step, no
+more (the default measures the gradient's global norm for stats(), a pass over the gradient DDP does
+not make), for the goal on stage 0's step phase.
 Compiled systems (opt-in, inductor): "ddp+c" is torch.compile(DDP(model)), "zs0+c".."zs3+c" zeroshard
 with config compile=True (runtime/compiled.py); their compile time (the warmup steps beyond as many
 median steps) is printed apart, and their step time also as a ratio of ddp+c's. Every system calls the
@@ -66,6 +70,7 @@ ALL_SYSTEMS = ["ddp", "fsdp2", "zs0", "zs1", "zs2", "zs3"]
 # Compiled (inductor): DDP under torch.compile, zeroshard with config compile=True (runtime/compiled.py)
 COMPILED_SYSTEMS = ["ddp+c", "zs0+c", "zs1+c", "zs2+c", "zs3+c"]
 DEEPSPEED_SYSTEMS = ["ds1", "ds2", "ds3"]  # DeepSpeed ZeRO 1-3, where deepspeed is importable (bench/deepspeed_step.py)
+NO_NORM = "-nonorm"  # a zeroshard system with config grad_norm=False: "zs0-nonorm"
 # name: GPT-2 shape, batch B x T tokens per rank, and the first three global-mean losses of one process
 # on the global batch (None: not fixed yet; each run's systems are compared with one another)
 WORKLOADS = {
@@ -116,6 +121,8 @@ def build(name, args):
         from deepspeed_step import build as build_deepspeed  # imports deepspeed: only when asked for
         return build_deepspeed(int(name[2:]), args.model)
     model = make_model(args.model)
+    grad_norm = getattr(args, "grad_norm", True) and not name.endswith(NO_NORM)
+    name = name.removesuffix(NO_NORM)
     compiled = name.endswith("+c")
     name = name.removesuffix("+c")
     name, _, cache = name.partition("@")  # zs3@2: stage 3 with a 2-chunk rCache, whatever --cache-chunks says
@@ -142,7 +149,7 @@ def build(name, args):
 
     engine = zeroshard.initialize(model, optimizer=adamw, config={
         "stage": int(name[2:]), "cache_chunks": int(cache) if cache else args.cache_chunks,
-        "check_order": args.check_order, "grad_norm": getattr(args, "grad_norm", True),
+        "check_order": args.check_order, "grad_norm": grad_norm,
         "nonfinite": getattr(args, "nonfinite", "ignore"),
         "chunk_size": getattr(args, "chunk_size", None) or "auto", "compile": compiled})
     return (Phases(lambda x: engine(input_ids=x, labels=x, use_cache=False).loss, engine.backward, engine.step,
@@ -287,7 +294,7 @@ def print_table(rows, machine, args):
           f"check_order={args.check_order}, grad_norm={args.grad_norm}, nonfinite={args.nonfinite}; reference losses "
           + (", ".join(f"{v:.6f}" for v in ref) if ref else "not fixed: systems are compared with zs0") + "\n")
     print(PHASE_NOTE + (", torch.cuda.synchronize() at each boundary" if args.phase_sync else "") + "\n")
-    print(f"{'system':<7} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29} "
+    print(f"{'system':<10} {'median s':>9} {'vs DDP':>7} {PHASE_COLUMNS}  {'first three global losses':<29} "
           f"{'comm':>8} {'state MiB/rank':>15}")
     for r in rows:
         ratio = f"{r['vs_ddp']:.2f}x" if r.get("vs_ddp") is not None else "-"
@@ -295,7 +302,7 @@ def print_table(rows, machine, args):
         comm = f"{r['comm_psi']:.2f} Psi" if "comm_psi" in r else "-"
         state = "/".join(f"{m:.2f}" for m in r["model_state_mib_per_rank"]) if "comm_psi" in r else "-"
         flag = "  MISMATCH" if r.get("mismatch") else ""
-        print(f"{r['system']:<7} {r['median_s']:>9.4f} {ratio:>7} {phase_cells(r)}  {losses:<29} {comm:>8} "
+        print(f"{r['system']:<10} {r['median_s']:>9.4f} {ratio:>7} {phase_cells(r)}  {losses:<29} {comm:>8} "
               f"{state:>15}{flag}")
     compiled = [r for r in rows if r.get("compile_s") is not None]
     if compiled:
@@ -303,6 +310,12 @@ def print_table(rows, machine, args):
               + ", ".join(f"{r['system']} {r['compile_s']:.1f} s" for r in compiled))
         if any(r["vs_ddp_compiled"] is not None for r in compiled):
             print("compiled vs DDP + compile: " + ", ".join(f"{r['system']} {r['vs_ddp_compiled']:.2f}x" for r in compiled))
+    ddp = next((r for r in rows if r["system"] == "ddp" and r.get("phases_s")), None)
+    zs0 = [r for r in rows if r["system"] in ("zs0", "zs0" + NO_NORM) and r.get("phases_s")]
+    if ddp and zs0:
+        print("\nstage 0's step phase vs DDP's: " + ", ".join(
+            f"{r['system']} {r['phases_s']['step'] / ddp['phases_s']['step']:.2f}x" for r in zs0)
+            + " (goal: zs0-nonorm, DDP's work, <= 1.00x)")
     if args.model == "gpt2-tiny":
         print("\npeers (vs DDP): DDP 0.178 s 1.00, FSDP2 0.401 s 2.25x, DeepSpeed ZeRO-1 1.30x, ZeRO-2 1.13x, "
               "ZeRO-3 1.49x")
@@ -331,7 +344,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     timing_arguments(ap)
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
+                    help="comma-separated subset of " + ",".join(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS)
+                    + ", zs3@N (an N-chunk rCache), zsN-nonorm (config grad_norm=False)")
     ap.add_argument("--cache-chunks", type=int, default=None, help="stage 3 rCache size (default unlimited)")
     ap.add_argument("--chunk-size", type=int, default=None, help="zeroshard chunk capacity in elements (default auto)")
     ap.add_argument("--check-order", action=argparse.BooleanOptionalAction, default=True)
@@ -343,7 +357,7 @@ def main():
                          "at each step (a pass DDP does not make)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(s for s in systems if not re.fullmatch(r"zs3@[1-9][0-9]*(\+c)?", s))
+    unknown = sorted(set(s for s in systems if not re.fullmatch(r"zs3@[1-9][0-9]*(\+c)?|zs[0-3]-nonorm", s))
                      - set(ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS))
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {ALL_SYSTEMS + COMPILED_SYSTEMS + DEEPSPEED_SYSTEMS}")
