@@ -137,6 +137,26 @@ def test_an_lr_change_and_state_loaded_between_steps_are_followed(monkeypatch):
     assert_identical(st, st0)
 
 
+def test_a_state_entry_replaced_between_steps_is_followed(monkeypatch):
+    """A user resetting one parameter's moments by assigning new tensors to its state entries (the
+    state dict itself kept): the tiles read the new values, as the pieces do."""
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+
+    def between(engine, step):
+        if step == 2:
+            opt = engine.optimizer
+            up = next(pc.param for c in engine.optim.chunks for pc in c.pieces if pc.slot.name == "up.weight")
+            opt.state[up]["exp_avg"] = torch.zeros_like(up)
+            opt.state[up]["exp_avg_sq"] = torch.full_like(up, 1e-3)
+    sd, st, taken = train(make, True, monkeypatch, between=between, steps=6)
+    sd0, st0, _ = train(make, False, monkeypatch, between=between, steps=6)
+    sd1, _, _ = train(make, True, monkeypatch, steps=6)
+    assert taken > 0
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+    assert not torch.equal(sd["up.weight"], sd1["up.weight"])  # the reset changed what trained
+
+
 class Scaled(torch.optim.AdamW):
     """A subclass may step differently (here: not at all past the first step): never tiled."""
 

@@ -31,6 +31,7 @@ checkpoint) is noticed and copied in again.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -52,7 +53,8 @@ class Span:
         self.tiles = [torch.nn.Parameter(base[a:b]) for a, b in self.bounds]
         self.param_ids = {id(pc.param) for pc in pieces}
         self.tile_states: list[dict] | None = None  # None until the flat state is made (flatten)
-        self._checks: list[tuple] = []  # (piece param, its state dict, key, tensor expected there)
+        # (piece params, their state dicts, keys, the tensors expected there): one entry per piece and key
+        self._checks: tuple[list, list, list, list] = ([], [], [], [])
         self._flats: dict[str, torch.Tensor] = {}  # state key -> the span's flat state of that key
         self._views: dict[tuple[int, str], torch.Tensor] = {}  # (id(piece param), key) -> its view of it
         self._piece_scalars: list[torch.Tensor] = []
@@ -64,7 +66,10 @@ class Span:
 
     def intact(self, state) -> bool:
         """The pieces' state entries are still the views and scalars this span made."""
-        return all(state.get(p) is st and st.get(k) is v for p, st, k, v in self._checks)
+        params, sts, keys, expected = self._checks
+        # map and operator.is_ keep the loop in C: it runs every step over every piece and key
+        return all(map(operator.is_, map(state.get, params), sts)) and \
+            all(map(operator.is_, map(dict.get, sts, keys), expected))
 
     def flatten(self, state) -> bool:
         """Make the span's flat state from its pieces' states (each piece's elementwise entries
@@ -104,7 +109,7 @@ class Span:
             checks += [(pc.param, st, k, st[k]) for pc, st in zip(self.pieces, sts)]
         self.tile_states = [{**{k: self._flats[k][a - lo:b - lo] for k in elementwise},
                              **{k: sts[0][k].clone() for k in scalars}} for a, b in self.bounds]
-        self._checks = checks
+        self._checks = tuple(map(list, zip(*checks))) if checks else ([], [], [], [])
         self._piece_scalars = [st[k] for k in scalars for st in sts]
         self._tile_scalars = [self.tile_states[0][k] for k in scalars for _ in sts]
         return True

@@ -188,7 +188,7 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
     @property
     def full_bytes(self) -> int:
         """Bytes of the whole chunk in the compute dtype (what one gathered copy occupies)."""
-        return self.padded_numel * torch.tensor([], dtype=self.dtype).element_size()
+        return self.padded_numel * self.dtype.itemsize
 
     # -- parameters ---------------------------------------------------------------------------
     def bind_params(self) -> None:

@@ -91,8 +91,7 @@ class StepMeter:
 def chunk_state_bytes(c) -> list[tuple[str, bool, int]]:
     """Persistent bytes chunk `c` holds on this rank, as (kind, on host, bytes) with kind 'params',
     'secondary' (hpZ), 'grads' or 'master' (the optimizer's own states are counted apart)."""
-    el = torch.tensor([], dtype=c.dtype).element_size()
-    gel = torch.tensor([], dtype=c.grad_dtype).element_size()
+    el, gel = c.dtype.itemsize, c.grad_dtype.itemsize
     out = [] if c.shard_tier is not None else [  # a shard in the parameter tier: counted as "disk"
         ("params", c.stage == 3 and c.placement.params_on_host, (c.shard_numel if c.stage == 3 else c.padded_numel) * el)]
     if c.secondary is not None:
