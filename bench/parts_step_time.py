@@ -37,7 +37,8 @@ PHASES = ("forward", "backward", "step")  # step_time.py's phases_s keys
 LABELS = {"ddp": "torch DDP", "fsdp2": "torch FSDP2 (per block)", "zs0": "zeroshard stage 0",
           "zs1": "zeroshard stage 1", "zs2": "zeroshard stage 2", "zs3": "zeroshard stage 3",
           "ds1": "DeepSpeed ZeRO-1", "ds2": "DeepSpeed ZeRO-2", "ds3": "DeepSpeed ZeRO-3",
-          "zs3@2": "zeroshard stage 3, 2-chunk rCache", "zs0-nonorm": "zeroshard stage 0, grad_norm off", "ddp+c": "torch DDP + compile",
+          "zs3@2": "zeroshard stage 3, 2-chunk rCache", "zs0-nonorm": "zeroshard stage 0, grad_norm off",
+          "ddp+c": "torch DDP + compile",
           **{f"zs{i}+c": f"zeroshard stage {i} + compile" for i in range(4)}}
 
 
@@ -140,9 +141,7 @@ def goal_cell(workload, r) -> str:
 
 
 def phase_goal(rows, r):
-    """(phase, ratio of r's median phase to DDP's or None, goal) for a row with a PHASE_GOALS entry, else None."""
-    if r["system"] not in PHASE_GOALS:
-        return None
+    """(phase, ratio of r's median phase to DDP's or None, goal) for a row of a PHASE_GOALS system."""
     phase, goal = PHASE_GOALS[r["system"]]
     ddp = next((d for d in rows if d["system"] == "ddp" and (d.get("phases_s") or {}).get(phase)), None)
     mine = (r.get("phases_s") or {}).get(phase)

@@ -82,7 +82,7 @@ class Profile:
 
     @property
     def element_size(self) -> int:
-        return torch.tensor([], dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def numel(self) -> int:
@@ -321,14 +321,10 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         if run:
             ps = tuple(dict.fromkeys(i for e in run for i in e.params))
             regions.append(CheckpointRegion(tuple(e.module for e in run), ps,
-                                            sum(infos[i].numel for i in ps) * _itemsize(dtype)))
+                                            sum(infos[i].numel for i in ps) * dtype.itemsize))
             run = [ev] if ev.phase == "recompute" else []
     return Profile(params=infos, dtype=dtype, trace=trace, first_use=first_use, checkpoint_regions=regions,
                    saved_bytes=saved.peak, peak_activation_bytes=live.peak, buffer_bytes=buffer_bytes,
                    flops=int(live.flops), seconds=time.perf_counter() - t0, tied_numel=tied_numel,
                    largest_module_numel=largest, peak_phase=live.peak_phase, collectives=live.collectives,
                    collective_bytes=int(live.collective_bytes))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
