@@ -1,10 +1,11 @@
-"""numerics.py: the finite check and the sum of squares the step uses, against torch's direct forms."""
+"""numerics.py: the finite check, the sum of squares the step uses and the sum of the ranks' rows a
+reduce-scatter makes on gloo, against torch's direct forms."""
 import math
 
 import pytest
 import torch
 
-from zeroshard.numerics import ROW, all_finite, squares_sum
+from zeroshard.numerics import ROW, all_finite, squares_sum, sum_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -45,3 +46,22 @@ def test_squares_sum_errs_less_than_one_vector_norm():
     rows = abs(squares_sum(g).item() - want) / want
     whole = abs(torch.linalg.vector_norm(g).square().item() - want) / want
     assert rows < 1e-6 and rows < whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 16])
+def test_sum_rows_adds_the_ranks_rows_in_rank_order(world, dtype):
+    # values over six orders of magnitude, so that the order of the additions shows in the last bits
+    rows = (torch.randn(world, 10_007, generator=torch.Generator().manual_seed(world))
+            * torch.logspace(-3, 3, 10_007)).to(dtype)
+    out = torch.full((10_007,), math.nan, dtype=dtype)
+    sum_rows(rows, out)
+    if dtype != torch.float32 and world > 2:  # summed in fp32, rounded once: torch.sum's own result
+        assert torch.equal(out, rows.sum(0))
+        return
+    want = rows[0].clone()
+    for row in rows[1:]:
+        want = want + row
+    assert torch.equal(out, want)
+    if world <= 2:  # one rounding either way
+        assert torch.equal(out, rows.sum(0))

@@ -1,5 +1,5 @@
-"""Two reductions over large flat tensors (gradients at the step, weight blocks as they are read)
-that torch's direct forms make slow or inexact on a CPU."""
+"""Reductions over large flat tensors (gradients at the step and as they arrive, weight blocks as
+they are read) that torch's direct forms make slow or inexact on a CPU."""
 from __future__ import annotations
 
 import torch
@@ -47,3 +47,24 @@ def squares_sum(t: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     if n:
         total = total + torch.linalg.vector_norm(t[:n].view(-1, ROW), dim=1, dtype=torch.float32).square().sum()
     return total * (scale * scale) if scale != 1.0 else total
+
+
+def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out <- rows[0] + rows[1] + ... (rows: 2-D, one row per rank), added in row order, each
+    element rounded once per addition as torch.add rounds it.
+
+    Why not torch.sum(rows, 0, out=out): its reduction over the outer dimension is 4-5x slower on a
+    CPU here (2 rows of 1.66M fp32 elements: 2.4 ms against 0.55 ms, cold; 4 rows 3.9 against 0.8),
+    and for some row counts (5, 16 and 33 here) it does not add in row order, so its last bits
+    differ from these. For 2 rows, the same bits as torch.sum in any dtype (one rounding either
+    way). 16-bit rows past 2 go to torch.sum, which adds them in fp32 and rounds once at the end,
+    where additions in the rows' dtype would round at each."""
+    if rows.dtype != torch.float32 and rows.shape[0] > 2:
+        torch.sum(rows, 0, out=out)
+        return
+    if rows.shape[0] == 1:
+        out.copy_(rows[0])
+        return
+    torch.add(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        out.add_(row)

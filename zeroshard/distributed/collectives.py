@@ -25,6 +25,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..numerics import sum_rows
 from . import p2p
 from .buffers import BufferPool
 from .works import Then, Timed, finish_held, staged
@@ -336,7 +337,7 @@ class Comm:
             work = dist.all_to_all_single(received, src, group=self.group, async_op=True)
 
             def total():
-                torch.sum(received.view(self.world, s), 0, out=dest)
+                sum_rows(received.view(self.world, s), dest)
                 self._received.give(received)  # (an abandoned reduction's is never given back)
                 if then is not None:
                     then()
