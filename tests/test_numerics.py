@@ -65,3 +65,16 @@ def test_sum_rows_adds_the_ranks_rows_in_rank_order(world, dtype):
     assert torch.equal(out, want)
     if world <= 2:  # one rounding either way
         assert torch.equal(out, rows.sum(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("own", [0, 1])
+def test_sum_rows_may_write_over_its_first_or_second_row(own, dtype):
+    # the gloo reduce-scatter's sum on ranks 0 and 1 reads the rank's own slot in place and writes there
+    n = 4 if dtype == torch.float32 else 2  # 16-bit past 2 rows goes to torch.sum (its own test above)
+    rows = [torch.randn(1000, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(n)]
+    want = rows[0].clone()
+    for row in rows[1:]:
+        want = want + row
+    sum_rows(rows, rows[own])
+    assert torch.equal(rows[own], want)

@@ -322,22 +322,33 @@ class Comm:
         """In place: this rank's shard of `full` <- the sum over ranks of that shard. Counts len(full).
         (NCCL accepts an output that is the input's own slot.)
 
-        On gloo it is an all-to-all (each rank receives every rank's copy of its slot: the bytes a
-        reduce-scatter moves) and a local sum in rank order when waited for: for 13 MB between 2
-        ranks here gloo's own reduce-scatter took 21 ms, its all-reduce 13 ms, the all-to-all and
-        sum 12 ms. It holds a receive buffer of len(full) until then, kept for the next (buffers.py)."""
+        On gloo it is an all-to-all as messages (p2p.exchange_slots: each rank receives every rank's
+        copy of its slot, the bytes a reduce-scatter moves) and a local sum in rank order when waited
+        for (numerics.sum_rows): for 13 MB between 2 ranks here gloo's own reduce-scatter took
+        21 ms, its all-reduce 13 ms, gloo's all-to-all and a sum 12 ms. It holds a receive buffer of
+        len(full) until then, kept for the next (buffers.py)."""
         self._count(full.numel())
         if self.world == 1:
             return None
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
 
+        message_tag = p2p.next_message_tag(self.group)  # fixed when handed over, not when issued
+
         def exchange(src: torch.Tensor, dest: torch.Tensor, then=None) -> Then:
             received = self._received.take(src.numel(), src.dtype, src.device)
-            work = dist.all_to_all_single(received, src, group=self.group, async_op=True)
+            work = p2p.exchange_slots(self.group, self.rank, self.world, src, received, message_tag)
 
             def total():
-                sum_rows(received.view(self.world, s), dest)
+                rows = received.view(self.world, s)
+                own = src[self.rank * s:(self.rank + 1) * s]  # dest is this very slot
+                # Read in place as the first addition's operand (ranks 0 and 1: the sum's out may be
+                # that operand); a later rank's slot, or 16-bit rows that torch.sum adds, copied in.
+                if self.rank < 2 and (src.dtype == torch.float32 or self.world == 2):
+                    sum_rows([own if r == self.rank else rows[r] for r in range(self.world)], dest)
+                else:
+                    rows[self.rank].copy_(own)
+                    sum_rows(rows, dest)
                 self._received.give(received)  # (an abandoned reduction's is never given back)
                 if then is not None:
                     then()

@@ -1,7 +1,7 @@
-"""gloo's all-gather as point-to-point messages (collectives.Comm uses it on gloo groups), and the
-message tags that keep them apart.
+"""gloo's all-gather and the exchange of a reduce-scatter as point-to-point messages (collectives.Comm
+uses them on gloo groups), and the message tags that keep them apart.
 
-The messages of one all-gather share a tag, counted per process group as the all-gathers are
+The messages of one collective share a tag, counted per process group as the collectives are
 handed over (every rank hands over the same ones on a group in the same order, whichever engine or
 Comm does), so two in flight never take each other's messages, and one issued on one rank only
 (ordering.py's Note: prefetches handed over) takes no other's.
@@ -53,3 +53,17 @@ def all_gather(group, rank: int, world: int, full: torch.Tensor, shard: torch.Te
         works.append(dist.isend(shard, group=group, group_dst=to, tag=tag))
         works.append(dist.irecv(full[src * s:(src + 1) * s], group=group, group_src=src, tag=tag))
     return AllOf(works, (full, shard))
+
+
+def exchange_slots(group, rank: int, world: int, full: torch.Tensor, received: torch.Tensor, tag: int) -> AllOf:
+    """A reduce-scatter's messages: full[r*s:(r+1)*s] goes to rank r, and rank r's copy of this
+    rank's slot comes into received[r*s:(r+1)*s], for every other rank r (s = len(full) / world).
+    received's own slot is left as it was: the sum reads this rank's copy in place, where gloo's
+    all-to-all copies it over first (6.6 MB a step on gpt2-tiny at 2 ranks, 0.4 ms here)."""
+    s = full.numel() // world
+    works = []
+    for k in range(1, world):
+        to, src = (rank + k) % world, (rank - k) % world
+        works.append(dist.isend(full[to * s:(to + 1) * s], group=group, group_dst=to, tag=tag))
+        works.append(dist.irecv(received[src * s:(src + 1) * s], group=group, group_src=src, tag=tag))
+    return AllOf(works, (full, received))
