@@ -333,22 +333,19 @@ class Comm:
         s = full.numel() // self.world
         shard = full[self.rank * s:(self.rank + 1) * s]
 
-        message_tag = p2p.next_message_tag(self.group)  # fixed when handed over, not when issued
+        message_tag = p2p.next_message_tag(self.group) if self.staged or self.gloo else None  # at hand-over
 
         def exchange(src: torch.Tensor, dest: torch.Tensor, then=None) -> Then:
             received = self._received.take(src.numel(), src.dtype, src.device)
             work = p2p.exchange_slots(self.group, self.rank, self.world, src, received, message_tag)
 
-            def total():
+            def total():  # dest is src's own slot: read in place where sum_rows may write over it
                 rows = received.view(self.world, s)
-                own = src[self.rank * s:(self.rank + 1) * s]  # dest is this very slot
-                # Read in place as the first addition's operand (ranks 0 and 1: the sum's out may be
-                # that operand); a later rank's slot, or 16-bit rows that torch.sum adds, copied in.
                 if self.rank < 2 and (src.dtype == torch.float32 or self.world == 2):
-                    sum_rows([own if r == self.rank else rows[r] for r in range(self.world)], dest)
-                else:
-                    rows[self.rank].copy_(own)
-                    sum_rows(rows, dest)
+                    rows = [dest if r == self.rank else row for r, row in enumerate(rows)]
+                else:  # a later row, or 16-bit rows for torch.sum (one tensor)
+                    rows[self.rank].copy_(dest)
+                sum_rows(rows, dest)
                 self._received.give(received)  # (an abandoned reduction's is never given back)
                 if then is not None:
                     then()
@@ -431,7 +428,8 @@ class Comm:
             return lambda: None
         self._refuse_if_closed()
         self.control_collectives += 1
-        what = lambda: f"agree on the step's gradient flags and norm in micro-batch {self.pass_index}{self._where()}"  # noqa: E731
+        what = lambda: (f"agree on the step's gradient flags and norm in micro-batch "  # noqa: E731
+                        f"{self.pass_index}{self._where()}")
         with waiting(what, self.timeout_s):
             work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
