@@ -4,7 +4,7 @@ Every collective zeroshard issues goes through `Comm`, which
 - counts payload elements the way the ZeRO paper counts volume: an all-reduce of M elements counts
   2M, a reduce-scatter or all-gather counts M, M being the full (unsharded) size;
 - handles gloo's quirks once: reduce-scatter always uses SUM (callers divide), equal-size shards;
-  on gloo it is an all-to-all and a local sum (see `reduce_scatter_sum`);
+  on gloo it is an all-to-all as messages and a local sum (see `reduce_scatter_sum`);
 - turns a world of one process (no process group) into local copies, so world size 1 runs the same
   code path as world size N;
 - runs CUDA tensors over a gloo group (ranks sharing one GPU: NCCL refuses that) by staging them
