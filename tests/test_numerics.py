@@ -68,13 +68,16 @@ def test_sum_rows_adds_the_ranks_rows_in_rank_order(world, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("own", [0, 1])
-def test_sum_rows_may_write_over_its_first_or_second_row(own, dtype):
-    # the gloo reduce-scatter's sum on ranks 0 and 1 reads the rank's own slot in place and writes there
-    n = 4 if dtype == torch.float32 else 2  # 16-bit past 2 rows goes to torch.sum (its own test above)
-    rows = [torch.randn(1000, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(n)]
-    want = rows[0].clone()
-    for row in rows[1:]:
-        want = want + row
-    sum_rows(rows, rows[own])
-    assert torch.equal(rows[own], want)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sum_rows_reads_the_out_row_from_out(world, dtype):
+    # the gloo reduce-scatter's sum: this rank's own slot is `out` (its row of rows unfilled), and the
+    # result is written there; read in place as the first or second addend, copied in otherwise
+    full = [torch.randn(1000, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(world)]
+    want = torch.empty(1000, dtype=dtype)
+    sum_rows(torch.stack(full), want)
+    for own in range(world):
+        rows = torch.stack(full)
+        rows[own] = math.nan  # unfilled: what sum_rows must not read
+        out = full[own].clone()
+        sum_rows(rows, out, out_row=own)
+        assert torch.equal(out, want), own

@@ -339,13 +339,8 @@ class Comm:
             received = self._received.take(src.numel(), src.dtype, src.device)
             work = p2p.exchange_slots(self.group, self.rank, self.world, src, received, message_tag)
 
-            def total():  # dest is src's own slot: read in place where sum_rows may write over it
-                rows = received.view(self.world, s)
-                if self.rank < 2 and (src.dtype == torch.float32 or self.world == 2):
-                    rows = [dest if r == self.rank else row for r, row in enumerate(rows)]
-                else:  # a later row, or 16-bit rows for torch.sum (one tensor)
-                    rows[self.rank].copy_(dest)
-                sum_rows(rows, dest)
+            def total():  # dest is src's own slot: this rank's row of the sum
+                sum_rows(received.view(self.world, s), dest, out_row=self.rank)
                 self._received.give(received)  # (an abandoned reduction's is never given back)
                 if then is not None:
                     then()
