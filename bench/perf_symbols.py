@@ -68,14 +68,15 @@ def worker(args) -> None:
                 f.write(f"{steps - WARMUP} {time.perf_counter() - start}")
 
 
-def record(system: str, args, out: str) -> tuple[float, str]:
-    """Run `system` on 2 ranks and sample them for args.seconds; returns (s per step, perf data)."""
+def record(system: str, args, out: str, label: str) -> tuple[float, str]:
+    """Run `system` on 2 ranks and sample them for args.seconds; returns (s per step, perf data),
+    the files named by `label`."""
     pids = tempfile.mkdtemp(prefix="pids-", dir=out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), "--worker", "--system", system, "--model", args.model, "--pids", pids]
-    log = open(os.path.join(out, f"{system}.log"), "w")
+    log = open(os.path.join(out, f"{label}.log"), "w")
     ranks = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    data = os.path.join(out, f"{system}.data")
+    data = os.path.join(out, f"{label}.data")
     try:
         deadline = time.time() + 600
         while not all(os.path.exists(os.path.join(pids, str(r))) for r in (0, 1)):
@@ -116,7 +117,8 @@ def per_symbol(data: str, step_s: float, seconds: float) -> dict[tuple[str, str]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt2-tiny")
-    p.add_argument("--systems", default="ddp,zs1,zs3", help="step_time.py's names; the first is the baseline")
+    p.add_argument("--systems", default="ddp,zs1,zs3",
+                   help="step_time.py's names; the first is the baseline; one named twice runs twice")
     p.add_argument("--seconds", type=float, default=15.0, help="sampling window per system (s)")
     p.add_argument("--top", type=int, default=30, help="symbols printed")
     p.add_argument("--keep", help="keep perf's data and the ranks' logs in this folder")
@@ -128,15 +130,18 @@ def main() -> None:
         return worker(args)
     if shutil.which("perf") is None:
         raise SystemExit("perf_symbols: needs Linux `perf` on the PATH (linux-tools / linux-perf)")
-    systems = [s for s in args.systems.split(",") if s]
+    names = [s for s in args.systems.split(",") if s]
+    # A system named twice is run twice, the second as "name#2": the spread between two runs of one
+    # system is the noise any difference must stand above
+    systems = [s if names[:i].count(s) == 0 else f"{s}#{names[:i].count(s) + 1}" for i, s in enumerate(names)]
     if len(systems) < 2:
         raise SystemExit("perf_symbols: --systems needs a baseline and at least one system to compare")
     out = args.keep or tempfile.mkdtemp(prefix="perf-symbols-")
     os.makedirs(out, exist_ok=True)
     try:
         ms = {}
-        for s in systems:
-            step_s, data = record(s, args, out)
+        for name, s in zip(names, systems):
+            step_s, data = record(name, args, out, s)
             ms[s] = per_symbol(data, step_s, args.seconds)
             print(f"{s}: {step_s * 1e3:.1f} ms a step (not interleaved), {sum(ms[s].values()):.1f} ms of CPU "
                   "per step per rank sampled", flush=True)

@@ -51,7 +51,7 @@ class Layers(nn.Module):
 
 
 class Flat(nn.Module):
-    """No ModuleList of layers: compiled whole at stages 0-2, refused at stage 3."""
+    """No ModuleList of layers: compiled whole, except at stage 3 in more than one chunk (refused)."""
 
     def __init__(self):
         super().__init__()
@@ -104,6 +104,41 @@ for _stage in range(3):
 SCENARIOS["one_chunk_checkpointing_stage2"] = functools.partial(
     compiled_parity, stage=2, checkpoint=True, make_opt=make_adamw,
     extra={"chunk_size": 10**6, "offload_optimizer": True})
+# Stage 3: the root is the one unit, its forward compiled whole
+SCENARIOS["one_chunk_stage3"] = functools.partial(compiled_parity, stage=3, extra={"chunk_size": 10**6})
+SCENARIOS["one_chunk_checkpointing_stage3"] = functools.partial(
+    compiled_parity, stage=3, checkpoint=True, make_opt=make_adamw,
+    extra={"chunk_size": 10**6, "offload_optimizer": True, "offload_params": True, "cache_chunks": 1})
+SCENARIOS["one_chunk_no_blocks_stage3"] = functools.partial(
+    compiled_parity, stage=3, build=Flat, extra={"chunk_size": 10**6})
+
+
+class EmbeddedOutside(Layers):
+    """Layers whose caller may embed the inputs itself, before calling it (as peft's prompt tuning
+    and multimodal code call a model's input embedding outside its forward)."""
+
+    def forward(self, x=None, checkpoint: bool = False, embeds=None):
+        h = self.embed(x) if embeds is None else embeds
+        for block in self.layers:
+            h = block(h)
+        return self.head(h)
+
+
+def embedding_outside(rank, world):
+    """Stage 3, one chunk, compiled whole: the embedding, called outside the root's forward, runs as
+    a call of the root (hooks.Stage3Hooks._pre_forward_outside): the model trains as plain PyTorch
+    does, with no graph break."""
+    def loss(model, x, *_):
+        root = model.module if isinstance(model, zeroshard.Engine) else model
+        return model(embeds=root.embed(x)).pow(2).mean()
+    fresh_dynamo()
+    engine, diff = parity(rank, world, EmbeddedOutside, loss, inputs(4, world, 4, 8), make_adamw,
+                          {"stage": 3, "chunk_size": 10**6, "compile": EAGERLIKE})
+    return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled],
+            "chunks": len(engine.chunks)}
+
+
+SCENARIOS["one_chunk_embedding_outside_stage3"] = embedding_outside
 
 
 def forward_of_its_own():
@@ -116,6 +151,8 @@ def forward_of_its_own():
 
 SCENARIOS["one_chunk_wrapped_forward_stage1"] = functools.partial(
     compiled_parity, stage=1, extra={"chunk_size": 10**6}, build=forward_of_its_own)
+SCENARIOS["one_chunk_wrapped_forward_stage3"] = functools.partial(
+    compiled_parity, stage=3, extra={"chunk_size": 10**6}, build=forward_of_its_own)
 
 
 def arrivals_per_block(rank, world, stage=1):
@@ -139,7 +176,8 @@ def arrivals_per_block(rank, world, stage=1):
 
 
 SCENARIOS["arrivals_per_block_stage1"] = arrivals_per_block
-SCENARIOS["no_blocks_stage3"] = functools.partial(compiled_parity, stage=3, build=Flat)  # ConfigError
+SCENARIOS["no_blocks_stage3"] = functools.partial(  # ConfigError: two chunks (one is compiled whole)
+    compiled_parity, stage=3, build=Flat, extra={"chunk_size": 64})
 
 
 def run(rank, world, out_path):

@@ -1,7 +1,7 @@
 """Config `compile` (issue 34): torch.compile under zeroshard at every stage, worlds 1-3.
 
-Each layer block's forward is compiled, at every stage (runtime/compiled.py); at stages 0-2 a model
-of one chunk is compiled whole (its Note: one chunk). Each scenario
+Each layer block's forward is compiled, at every stage (runtime/compiled.py); a model of one chunk
+is compiled whole (its Note: one chunk). Each scenario
 trains a three-block model compiled and eagerly through the engine, and plain eager PyTorch on the
 global batch (compile_scenarios.py)."""
 import pytest
@@ -29,13 +29,15 @@ def test_no_graph_break_and_one_graph_per_compiled_code(res, name):
     """The model has no graph break of its own, so there is none at all: each block's forward is
     one graph (stage 3's gathers run in the block's hooks, outside it; stages 1-2 wait for arriving
     chunks before the forward). The three blocks share one graph: no recompile per layer. A model
-    of one chunk at stages 0-2 is compiled whole, unless its root's forward is wrapped (compiled.py's
-    Note: one chunk)."""
+    of one chunk is compiled whole, at stage 3 as its one unit, unless its root's forward is wrapped
+    (compiled.py's Note: one chunk)."""
     got = ok(res[0], name)
     assert got["breaks"] == 0, got
     assert got["graphs"] == 1 and got["recompile_limit_hits"] == 0, got
-    whole = {"no_blocks_stage2": "Flat", "one_chunk_checkpointing_stage2": "Layers",
-             **{f"one_chunk_stage{s}": "Layers" for s in range(3)}}
+    whole = {"no_blocks_stage2": "Flat", "one_chunk_no_blocks_stage3": "Flat",
+             "one_chunk_embedding_outside_stage3": "EmbeddedOutside",
+             **{f"one_chunk_checkpointing_stage{s}": "Layers" for s in (2, 3)},
+             **{f"one_chunk_stage{s}": "Layers" for s in range(4)}}
     assert got["compiled"] == ([whole[name]] if name in whole else ["Block"] * 3), got
     assert got["chunks"] == 1 or not name.startswith("one_chunk"), got
 
@@ -57,7 +59,8 @@ def test_compiled_blocks_wait_for_their_own_chunks_only(res):
 
 
 def test_stage_3_refuses_to_compile_a_model_without_layer_blocks(res):
-    """Its root's graph would hold every module's gather and release (one break each)."""
+    """Its root's graph would hold every module's gather and release (one break each): refused,
+    unless the model is one chunk (one_chunk_no_blocks_stage3: the root is its one unit)."""
     got = res[0]["no_blocks_stage3"]
     assert "ConfigError" in got["error"] and "leaf_modules" in got["error"], got
 

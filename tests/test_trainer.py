@@ -61,8 +61,8 @@ def test_the_trainer_trains_what_single_process_pytorch_trains_on_the_global_bat
 
 def test_torch_compile_compiles_each_block_and_trains_the_same_model(runs):
     """TrainingArguments(torch_compile=True, torch_compile_backend='aot_eager') becomes config
-    compile: at stage 3 each GPT2Block's forward is compiled, and the model trained is the plain
-    loop's (aot_eager runs eager's operations)."""
+    compile: at stage 3 (in more than one chunk) each GPT2Block's forward is compiled, and the model
+    trained is the plain loop's (aot_eager runs eager's operations)."""
     got = runs["stage3_compiled"]
     assert got["compiled"] == ["GPT2Block", "GPT2Block"], got
     assert got["state_vs_plain"] <= ADAMW_TOL, got

@@ -44,6 +44,11 @@ def test_leaf_modules_named_in_the_config(res, how):
     assert got["leaves"] == ["moe1", "moe2"] and got["diff"] <= TOL["sgd"]
 
 
+def test_a_leaf_whose_layers_are_recomputed_in_backward(res):
+    got = ok(res[0], "leaf_with_checkpointed_layers")
+    assert got["chunks"] > 1 and got["diff"] <= TOL["sgd"], got
+
+
 def test_a_leaf_module_name_that_matches_nothing_is_refused(res):
     got = res[0]["unknown_leaf_module"]
     assert got.get("error", "").startswith("ConfigError") and "NoSuchBlock" in got["error"]  # a ValueError

@@ -210,6 +210,37 @@ def moe_without_input_gradient(rank, world):
 SCENARIOS["moe_without_input_gradient"] = moe_without_input_gradient
 
 
+class CheckpointedStack(nn.Module):
+    """Two layers, each recomputed in backward (non-reentrant activation checkpointing): named as a
+    leaf, its layers have no hooks of their own, so a recomputation runs on whatever the leaf's
+    entries hold then."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        return h
+
+
+def leaf_with_checkpointed_layers(rank, world):
+    """Stage 3, a leaf whose submodules are recomputed in backward: the leaf shows its real
+    parameters while held in backward (hooks.Stage3Hooks._shows_while_held); before, the
+    recomputation met placeholders and raised ShardedParameterError."""
+    def build():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(8, 8), CheckpointedStack(), nn.Linear(8, 1))
+    loss = lambda m, x, *_: m(x).pow(2).mean()  # noqa: E731
+    engine, diff = parity(rank, world, build, loss, inputs(3, world, 4, 8), make_sgd,
+                          {"stage": 3, "chunk_size": 64, "leaf_modules": ["CheckpointedStack"]})
+    return {"diff": diff, "chunks": len(engine.chunks)}
+
+
+SCENARIOS["leaf_with_checkpointed_layers"] = leaf_with_checkpointed_layers
+
+
 def unknown_leaf_module(rank, world):
     """A leaf_modules name that matches no module: ValueError naming it, at initialize."""
     zeroshard.initialize(MoEModel(), make_sgd, {"stage": 3, "leaf_modules": ["auto", "NoSuchBlock"]})

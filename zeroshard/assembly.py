@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .config import Config
-from .errors import TierFileError
+from .errors import ConfigError, TierFileError
 from .distributed.collectives import Comm, default_device, init_process_group
 from .distributed.shard_groups import ShardGroups, resolve_group_size
 from .distributed.tensor_parallel import TensorParallel, local_shape
@@ -24,8 +24,9 @@ from .optim.param_groups import as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache
+from .runtime.compiled import compiles_whole
 from .runtime.disk_tier import MASTERS, DiskTier, Holding, shards
-from .runtime.packing import auto_chunk_size
+from .runtime.packing import auto_chunk_size, pack_groups
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues
@@ -129,10 +130,37 @@ class Parts:
     optim: ShardedOptimizer
 
 
+def chunk_capacity(config: Config, numels: list[int]) -> int:
+    """Elements per chunk for parameters of `numels` elements: config chunk_size (or its default),
+    raised to the largest parameter."""
+    cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
+    return max(cap, max(numels))
+
+
+def compile_units(module: nn.Module, config: Config, world: World, planned: Planned) -> World:
+    """Stage 3 with config compile: `world` with the leaf units whose forwards are compiled. A model
+    that packs into one chunk is one unit, the root (runtime/compiled.py's Note: one chunk): counted
+    here, before any chunk is built, as the layout will pack it (its parameters in module order,
+    trainable apart from frozen). Otherwise its layer blocks and leaf_modules (join_world); with none,
+    it raises ConfigError."""
+    if not config.compile or config.stage != 3:
+        return world
+    params, _ = list_parameters(module)
+    cap = chunk_capacity(config, [p.numel() for p in params])  # as make_parts sizes them
+    chunks = len(pack_groups([local_shape(p).numel() for p in params], [p.requires_grad for p in params], cap))
+    if planned.profile is None and compiles_whole(module, chunks):
+        return dataclasses.replace(world, leaves=[module])
+    if not world.leaves:  # the root's graph would hold every hook
+        raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
+                          "ModuleList of same-class layers), and this model has none and is more than one "
+                          "chunk: name the modules to compile, each gathered whole, with leaf_modules")
+    return world
+
+
 def make_parts(optimizer, config: Config, planned: Planned, world: World, model: Model) -> Parts:
     """The layout, rCache, reducer, loss scaler and sharded optimizer (no chunk built yet)."""
     numels = [p.numel() for p in model.params]
-    cap = auto_chunk_size(numels) if config.chunk_size == "auto" else config.chunk_size
+    cap = chunk_capacity(config, numels)
     placement = Placement(optimizer_on_host=bool(config.offload_optimizer), params_on_host=bool(config.offload_params),
                           optimizer_on_disk=config.offload_optimizer == "disk",
                           params_on_disk=config.offload_params == "disk")
@@ -140,7 +168,7 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
     placement_of = (lambda i: placement) if chosen is None else (lambda i: chosen.placement(i, config.stage))
     shard_tier = _disk_tier(planned.offload_dir, world, shards(config.dtype)) if placement.params_on_disk else None
     layout = ChunkLayout(model.names, model.shapes, stage=config.stage, comm=world.shards, dtype=config.dtype,
-                         device=world.device, transfer=world.transfer, chunk_size=max(cap, max(numels)),
+                         device=world.device, transfer=world.transfer, chunk_size=cap,
                          placement_of=placement_of,  # the config's placement, or the plan's per chunk
                          grad_dtype=config.grad_dtype, shard_tier=shard_tier)
     cache = ChunkCache(world.shards, config.cache_chunks, config.prefetch,

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from .assembly import EngineCalls, install_hooks, join_world, make_parts, pack, plan, read_model
+from .assembly import EngineCalls, compile_units, install_hooks, join_world, make_parts, pack, plan, read_model
 from .engine_io import EngineIO, TrainingPhase
 from .config import Config
 from .distributed.ordering import STEP, waiting
@@ -46,13 +46,11 @@ class Engine(EngineIO):
         world = join_world(module, config, device)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
         self.shards = world.shards
-        self.transfer, self.leaves = world.transfer, world.leaves
+        self.transfer = world.transfer
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
-        if config.compile and config.stage == 3 and not self.leaves:  # the root's graph would hold every hook
-            raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
-                              "ModuleList of same-class layers), and this model has none: name the modules to "
-                              "compile, each gathered whole, with leaf_modules")
+        world = compile_units(module, config, world, planned)
+        self.leaves = world.leaves
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
         self.dtype, self.stage = config.dtype, config.stage
         self._set_counters()

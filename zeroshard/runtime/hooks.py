@@ -4,7 +4,8 @@ the first-use order of parameters is recorded (every stage).
 Stage 3 lifecycle of one module call:
   forward pre-hook   acquire (gather + pin) the module's chunks; put the real parameters in its entries
   forward post-hook  put placeholders back; unpin; register a pre-backward hook on the outputs
-  pre-backward       acquire the chunks again and *hold* them for this module's backward
+  pre-backward       acquire the chunks again and *hold* them for this module's backward (a leaf
+                     unit's real parameters stay in its entries while held: _shows_while_held)
   gradient arrival   once every trainable direct parameter of the module has its gradient, the hold
                      ends (the engine calls `grad_arrived`); holds still open end with the backward.
 
@@ -180,6 +181,15 @@ class Stage3Hooks:
         for m in self.units:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward_unit, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._post_forward))
+        # The root as the one unit (compiled whole: compiled.py's Note: one chunk): a module of it
+        # called outside its forward (an input embedding, as peft and multimodal code call it before
+        # the model) runs as a call of the root, gathered, held for backward and released.
+        self.root = model if model in self.leaves else None
+        self._outside: list[nn.Module] = []  # such calls running, outermost first
+        for m in self.units.get(self.root, ()):
+            if m is not model:
+                self._handles.append(m.register_forward_pre_hook(self._pre_forward_outside))
+                self._handles.append(m.register_forward_hook(self._post_forward_outside))
 
     def is_unit(self, module: nn.Module) -> bool:
         return module in self.real
@@ -266,6 +276,19 @@ class Stage3Hooks:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    def _pre_forward_outside(self, module, args):
+        # Inside a graph the root's forward is running (is_compiling is a constant there: no break)
+        if torch.compiler.is_compiling() or self.root in self.active:
+            return
+        self._outside.append(module)
+        self._pre_forward(self.root, args)
+
+    def _post_forward_outside(self, module, args, out):
+        if torch.compiler.is_compiling() or not self._outside or self._outside[-1] is not module:
+            return None
+        self._outside.pop()
+        return self._post_forward(self.root, args, out)
+
     def _post_forward(self, unit, args, out):
         # A parameter returned from its unit's forward: once its chunk is released the parameter
         # holds no data, so the caller gets a view of it instead, made before the release, which
@@ -300,13 +323,14 @@ class Stage3Hooks:
     def _end_forward(self, unit) -> None:
         i = len(self.active) - 1 - self.active[::-1].index(unit)
         del self.active[i]
-        if unit not in self.active:
+        if unit not in self.active and not self._shows_while_held(unit):
             self._swap(unit, real=False)
             self._swap_borrowed(unit, False)
         for c in self.chunks_of(unit):
             self.cache.release(c)
 
     def close_open_forwards(self) -> None:
+        self._outside.clear()
         while self.active:
             self._end_forward(self.active[-1])
 
@@ -315,6 +339,15 @@ class Stage3Hooks:
         if self._begin_hold(unit):
             for c in self.chunks_of(unit):
                 self.cache.acquire(c)
+            if unit in self.leaves:
+                self._swap(unit, real=True)
+                self._swap_borrowed(unit, True)
+
+    def _shows_while_held(self, unit) -> bool:
+        """A leaf shows its real parameters while held in backward: its submodules have no hooks of
+        their own, so a recomputation inside it (activation checkpointing of a submodule, as in a
+        model compiled whole: compiled.py's Note: one chunk) runs on them."""
+        return unit in self.leaves and unit in self.held
 
     def _begin_hold(self, unit) -> bool:
         """Hold `unit` in backward (False: held already) until its trainable parameters' gradients
@@ -346,6 +379,9 @@ class Stage3Hooks:
     def _release_held(self, unit) -> None:
         for c in self.chunks_of(unit):
             self.cache.release(c)
+        if unit in self.leaves and unit not in self.active:  # shown while held (_shows_while_held)
+            self._swap(unit, real=False)
+            self._swap_borrowed(unit, False)
 
     # -- saved tensors (see ChunkView) -------------------------------------------------------------
     def pack_chunk_view(self, t: torch.Tensor) -> ChunkView | None:
