@@ -113,9 +113,27 @@ SCENARIOS["one_chunk_no_blocks_stage3"] = functools.partial(
     compiled_parity, stage=3, build=Flat, extra={"chunk_size": 10**6})
 
 
+class ListLinear(nn.Module):
+    """A linear layer whose parameters sit in a ParameterList its forward reads (no parameter of
+    its own: stage 3 gathers them as its own all the same, units.unit_members)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        torch.manual_seed(1)
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(8, width) / 3), nn.Parameter(torch.zeros(width))])
+
+    def forward(self, x):
+        return x @ self.ws[0] + self.ws[1]
+
+
 class EmbeddedOutside(Layers):
     """Layers whose caller may embed the inputs itself, before calling it (as peft's prompt tuning
-    and multimodal code call a model's input embedding outside its forward)."""
+    and multimodal code call a model's input embedding outside its forward); the embedding reads a
+    ParameterList."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = ListLinear(16)
 
     def forward(self, x=None, checkpoint: bool = False, embeds=None):
         h = self.embed(x) if embeds is None else embeds

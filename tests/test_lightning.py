@@ -42,6 +42,15 @@ def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
     assert runs[name]["vs_plain"] <= ADAMW_TOL
 
 
+def test_config_compile_of_a_one_chunk_module_compiles_its_blocks(runs):
+    """Stage 3 made the one-chunk module its one unit, to compile its forward whole; Lightning then
+    redirects that forward for each step, which would undo such a compile (it did, silently, on
+    the second step), so its blocks are compiled instead, and stay so."""
+    got = runs["stage3_config_compiled"]
+    assert got["chunks"] == 1 and got["compiled"] == ["GPT2Block", "GPT2Block"] and got["kept"], got
+    assert got["vs_plain"] <= ADAMW_TOL, got
+
+
 def test_offload_auto_profiles_forward_on_the_modules_example_input_array(runs):
     """It raised ValueError: the strategy gave initialize no example_inputs."""
     assert runs["auto"]["global_step"] == STEPS

@@ -148,12 +148,15 @@ def compile_units(module: nn.Module, config: Config, world: World, planned: Plan
     params, _ = list_parameters(module)
     cap = chunk_capacity(config, [p.numel() for p in params])  # as make_parts sizes them
     chunks = len(pack_groups([local_shape(p).numel() for p in params], [p.requires_grad for p in params], cap))
-    if planned.profile is None and compiles_whole(module, chunks):
+    whole = planned.profile is None and compiles_whole(module, chunks)
+    # On every rank alike: tensor-parallel ranks' local shapes may pack into different counts
+    if all(world.world_comm.all_gather_objects(whole)):
         return dataclasses.replace(world, leaves=[module])
     if not world.leaves:  # the root's graph would hold every hook
         raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
-                          "ModuleList of same-class layers), and this model has none and is more than one "
-                          "chunk: name the modules to compile, each gathered whole, with leaf_modules")
+                          "ModuleList of same-class layers) or, a model of one chunk whose forward is its "
+                          "class's, the whole forward; this model is neither: name the modules to compile, "
+                          "each gathered whole, with leaf_modules")
     return world
 
 

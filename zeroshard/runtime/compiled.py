@@ -42,6 +42,9 @@ give), its hooks run once around the whole forward, and the graph holds the embe
 and the loss too (gpt2-tiny, 2 ranks on 2 cores, one interleaved run of 60 steps: compiled stage 3
 stepped in 1.054x DDP + compile's time with its four blocks compiled, 1.007x compiled whole).
 Not under offload or stage 'auto': the plan's prefetch schedule names the modules it profiled.
+Where a front end replaces the root's forward after initialize, its layer blocks are compiled
+inside that one unit instead (stage3_targets); every module of the root has hooks for calls from
+outside its forward (hooks.Stage3Hooks), which return at once inside a graph.
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from ..units import layer_blocks
 
 
 def torch_compiler(setting) -> Callable | None:
@@ -70,6 +75,16 @@ def blocks_to_compile(module: nn.Module, blocks: list[nn.Module], chunks: int) -
     """Stages 0-2: the layer blocks `blocks` whose forwards are compiled, or none (compile_model then
     compiles the root's forward) where the model compiles whole (compiles_whole)."""
     return [] if compiles_whole(module, chunks) else blocks
+
+
+def stage3_targets(module: nn.Module, leaves: list[nn.Module]) -> list[nn.Module]:
+    """Stage 3: the leaf units whose forwards are compiled. Where the root is the one leaf (Note:
+    one chunk) but a front end has replaced its forward since initialize (Lightning redirects it to
+    training_step for each call: a compile of it would be undone at the call's end), the root's
+    layer blocks instead, which have no hooks inside it (or none, when it has no blocks)."""
+    if list(leaves) == [module] and "forward" in vars(module):
+        return layer_blocks(module)
+    return list(leaves)
 
 
 def compile_model(module: nn.Module, blocks: list[nn.Module], compiler: Callable) -> list[nn.Module]:

@@ -184,9 +184,10 @@ class Stage3Hooks:
         # The root as the one unit (compiled whole: compiled.py's Note: one chunk): a module of it
         # called outside its forward (an input embedding, as peft and multimodal code call it before
         # the model) runs as a call of the root, gathered, held for backward and released.
+        # Every module of it, not only those holding parameters: a parent reads its ParameterList's.
         self.root = model if model in self.leaves else None
-        self._outside: list[nn.Module] = []  # such calls running, outermost first
-        for m in self.units.get(self.root, ()):
+        self._calls: list[nn.Module | None] = []  # per module call running: itself if it began a root call
+        for m in (self.root.modules() if self.root is not None else ()):
             if m is not model:
                 self._handles.append(m.register_forward_pre_hook(self._pre_forward_outside))
                 self._handles.append(m.register_forward_hook(self._post_forward_outside))
@@ -278,15 +279,16 @@ class Stage3Hooks:
 
     def _pre_forward_outside(self, module, args):
         # Inside a graph the root's forward is running (is_compiling is a constant there: no break)
-        if torch.compiler.is_compiling() or self.root in self.active:
+        if torch.compiler.is_compiling():
             return
-        self._outside.append(module)
-        self._pre_forward(self.root, args)
+        begins = self.root not in self.active
+        self._calls.append(module if begins else None)  # a module calling itself pops its own entry
+        if begins:
+            self._pre_forward(self.root, args)
 
     def _post_forward_outside(self, module, args, out):
-        if torch.compiler.is_compiling() or not self._outside or self._outside[-1] is not module:
+        if torch.compiler.is_compiling() or not self._calls or self._calls.pop() is not module:
             return None
-        self._outside.pop()
         return self._post_forward(self.root, args, out)
 
     def _post_forward(self, unit, args, out):
@@ -330,7 +332,7 @@ class Stage3Hooks:
             self.cache.release(c)
 
     def close_open_forwards(self) -> None:
-        self._outside.clear()
+        self._calls.clear()
         while self.active:
             self._end_forward(self.active[-1])
 
