@@ -152,8 +152,17 @@ def embedding_outside(rank, world):
     fresh_dynamo()
     engine, diff = parity(rank, world, EmbeddedOutside, loss, inputs(4, world, 4, 8), make_adamw,
                           {"stage": 3, "chunk_size": 10**6, "compile": EAGERLIKE})
-    return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled],
-            "chunks": len(engine.chunks)}
+    counts = dynamo_counts()
+    # Elements communicated in a step with the embedding's gradient, and in one without it (whose
+    # graph is a second one: its input needs no gradient)
+    x = inputs(1, world, 4, 8)[0, rank]
+    engine.backward(loss(engine, x))
+    engine.step()
+    outside = engine.stats()["comm_elements"]
+    engine.backward(engine(embeds=engine.module.embed(x).detach()).pow(2).mean())
+    engine.step()
+    return {"diff": diff, **counts, "compiled": [type(m).__name__ for m in engine.compiled],
+            "chunks": len(engine.chunks), "comm_outside": outside, "comm_inside": engine.stats()["comm_elements"]}
 
 
 SCENARIOS["one_chunk_embedding_outside_stage3"] = embedding_outside

@@ -58,6 +58,15 @@ def test_compiled_blocks_wait_for_their_own_chunks_only(res):
             assert at_blocks[0] > at_blocks[1] > at_blocks[2] > 0, got
 
 
+def test_an_embedding_called_outside_the_root_reduces_the_chunk_once(res):
+    """Its gradient arrives after the root's backward reached the root's inputs: the root's
+    parameters count when their gradients arrive, not all at that point (which reduced the chunk,
+    then again with the late gradient: 3 chunks' elements a step, not 2)."""
+    r, world = res
+    got = ok(r, "one_chunk_embedding_outside_stage3")
+    assert got["comm_outside"] == got["comm_inside"] and (got["comm_inside"] > 0) == (world > 1), got
+
+
 def test_stage_3_refuses_to_compile_a_model_without_layer_blocks(res):
     """Its root's graph would hold every module's gather and release (one break each): refused,
     unless the model is one chunk (one_chunk_no_blocks_stage3: the root is its one unit)."""

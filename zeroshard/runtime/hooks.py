@@ -373,7 +373,9 @@ class Stage3Hooks:
             self._release_held(m)
 
     def _end_leaf_backward(self, unit) -> None:
-        if unit in self.leaves:  # its parameters count as arrived (a frozen unit's are not counted)
+        # Its parameters count as arrived (a frozen unit's are not counted); not the root's, whose
+        # modules called outside its forward may add gradients after (each would reduce again)
+        if unit in self.leaves and unit is not self.root:
             self.on_leaf_backward([p for _, p in self.params_of(unit)])
         if self.held.end(unit):
             self._release_held(unit)
