@@ -27,10 +27,10 @@ from .distributed.tensor_parallel import local_grad
 from .errors import ConfigError, invariant
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
-from .runtime.compiled import blocks_to_compile, compile_model, stage3_targets, torch_compiler
+from .runtime.compiled import compile_model, compile_targets, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
-from .units import layer_blocks, refuse_untrainable
+from .units import refuse_untrainable
 
 log = logging.getLogger("zeroshard")
 
@@ -135,12 +135,11 @@ class Engine(EngineIO):
         recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
         self._micro_layout_final = self.layout.final
         if self._micro_layout_final and self._compiler is not None and self.compiled is None:
-            blocks = stage3_targets(self.module, self.leaves) if self.stage == 3 else blocks_to_compile(
-                self.module, layer_blocks(self.module), len(self.chunks))
-            if self.stage == 3 and not blocks:
+            targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
+            if not targets:
                 log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "
                             "end replaced its forward since initialize, and it has no layer blocks to compile")
-            self.compiled = compile_model(self.module, blocks, self._compiler) if blocks or self.stage < 3 else []
+            self.compiled = compile_model(targets, self._compiler)
             if self._arrivals is not None and self.compiled != [self.module]:
                 self._arrivals.wait_per_block(self.compiled)
         if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)

@@ -43,7 +43,7 @@ and the loss too (gpt2-tiny, 2 ranks on 2 cores, one interleaved run of 60 steps
 stepped in 1.054x DDP + compile's time with its four blocks compiled, 1.007x compiled whole).
 Not under offload or stage 'auto': the plan's prefetch schedule names the modules it profiled.
 Where a front end replaces the root's forward after initialize, its layer blocks are compiled
-inside that one unit instead (stage3_targets); every module of the root has hooks for calls from
+inside that one unit instead (compile_targets); every module of the root has hooks for calls from
 outside its forward (hooks.Stage3Hooks), which return at once inside a graph.
 """
 from __future__ import annotations
@@ -71,26 +71,24 @@ def compiles_whole(module: nn.Module, chunks: int) -> bool:
     return chunks <= 1 and "forward" not in vars(module)
 
 
-def blocks_to_compile(module: nn.Module, blocks: list[nn.Module], chunks: int) -> list[nn.Module]:
-    """Stages 0-2: the layer blocks `blocks` whose forwards are compiled, or none (compile_model then
-    compiles the root's forward) where the model compiles whole (compiles_whole)."""
-    return [] if compiles_whole(module, chunks) else blocks
+def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: int) -> list[nn.Module]:
+    """The modules whose forwards are compiled, the root named when it is compiled whole.
+    Stages 0-2: the layer blocks, or the root where the model has none or is `chunks` <= 1 chunk
+    with its class's forward (compiles_whole). Stage 3: its leaf units, chosen at initialize
+    (assembly.compile_units); where the root is the one leaf but a front end has replaced its
+    forward since (Lightning redirects it to training_step for each call: a compile of it would be
+    undone at the call's end), the root's layer blocks instead, which have no hooks inside it (none
+    when it has no blocks: nothing is compiled)."""
+    if stage == 3:
+        if list(leaves) == [module] and "forward" in vars(module):
+            return layer_blocks(module)
+        return list(leaves)
+    blocks = layer_blocks(module)
+    return [module] if not blocks or compiles_whole(module, chunks) else blocks
 
 
-def stage3_targets(module: nn.Module, leaves: list[nn.Module]) -> list[nn.Module]:
-    """Stage 3: the leaf units whose forwards are compiled. Where the root is the one leaf (Note:
-    one chunk) but a front end has replaced its forward since initialize (Lightning redirects it to
-    training_step for each call: a compile of it would be undone at the call's end), the root's
-    layer blocks instead, which have no hooks inside it (or none, when it has no blocks)."""
-    if list(leaves) == [module] and "forward" in vars(module):
-        return layer_blocks(module)
-    return list(leaves)
-
-
-def compile_model(module: nn.Module, blocks: list[nn.Module], compiler: Callable) -> list[nn.Module]:
-    """Replace each block's forward (the module's own when `blocks` is empty) by
-    `compiler(forward)`. Returns the modules whose forward is compiled."""
-    targets = list(blocks) or [module]
+def compile_model(targets: list[nn.Module], compiler: Callable) -> list[nn.Module]:
+    """Replace each target's forward by `compiler(forward)`. Returns the targets."""
     for m in targets:
         m.forward = compiler(m.forward)
-    return targets
+    return list(targets)

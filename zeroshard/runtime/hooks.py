@@ -241,6 +241,11 @@ class Stage3Hooks:
         for _, t in self.placeholders[module]:
             t._zs_absorb_copies = on
 
+    def _show(self, unit: nn.Module, real: bool) -> None:
+        """Put the unit's real parameters (and those it borrowed) in their entries, or placeholders."""
+        self._swap(unit, real)
+        self._swap_borrowed(unit, real)
+
     def _swap(self, unit: nn.Module, real: bool) -> None:
         for m in self.units[unit]:
             for n, t in (self.direct[m] if real else self.placeholders[m]):
@@ -249,8 +254,7 @@ class Stage3Hooks:
     def _pre_forward(self, unit, args):
         for c in self.chunks_of(unit):
             self.cache.acquire(c)
-        self._swap(unit, real=True)
-        self._swap_borrowed(unit, True)
+        self._show(unit, True)
         self.active.append(unit)
 
     def _pre_forward_unit(self, unit, args, kwargs):
@@ -326,8 +330,7 @@ class Stage3Hooks:
         i = len(self.active) - 1 - self.active[::-1].index(unit)
         del self.active[i]
         if unit not in self.active and not self._shows_while_held(unit):
-            self._swap(unit, real=False)
-            self._swap_borrowed(unit, False)
+            self._show(unit, False)
         for c in self.chunks_of(unit):
             self.cache.release(c)
 
@@ -342,8 +345,7 @@ class Stage3Hooks:
             for c in self.chunks_of(unit):
                 self.cache.acquire(c)
             if unit in self.leaves:
-                self._swap(unit, real=True)
-                self._swap_borrowed(unit, True)
+                self._show(unit, True)
 
     def _shows_while_held(self, unit) -> bool:
         """A leaf shows its real parameters while held in backward: its submodules have no hooks of
@@ -384,8 +386,7 @@ class Stage3Hooks:
         for c in self.chunks_of(unit):
             self.cache.release(c)
         if unit in self.leaves and unit not in self.active:  # shown while held (_shows_while_held)
-            self._swap(unit, real=False)
-            self._swap_borrowed(unit, False)
+            self._show(unit, False)
 
     # -- saved tensors (see ChunkView) -------------------------------------------------------------
     def pack_chunk_view(self, t: torch.Tensor) -> ChunkView | None:
