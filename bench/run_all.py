@@ -8,8 +8,8 @@ Parts (each runs the benchmark script named, as a subprocess, and reads its --js
   0-3, stage 0 with config grad_norm=False (zs0-nonorm: DDP's work, for the goal on stage 0's step
   phase, PHASE_GOALS) and stage 3 with a 2-chunk rCache (zs3@2), and compiled (inductor): DDP + compile and zeroshard
   stages 0-3 with config compile=True, their compile time apart and their goal read against DDP +
-  compile's step, on each workload of STEP_TIME_WORKLOADS (--model gpt2-tiny, 30 steps in turns of 3; --model
-  gpt2-small-cpu, 14 steps in turns of 2; 6 and 4 with --quick), every system built first and then
+  compile's step, on each workload of STEP_TIME_WORKLOADS (--model gpt2-tiny, 60 steps in turns of 3; --model
+  gpt2-small-cpu, 30 steps in turns of 2; 6 and 4 with --quick), every system built first and then
   run interleaved, turn by turn: per system the median step, its ratio to DDP, the median forward,
   backward and optimizer-step phases, and the goal (GOALS, per workload). gpt2-tiny's rows sit next
   to the peer figures of shared/notes/anchors.md (measured on another machine of this kind, so
