@@ -115,10 +115,14 @@ def losses_ok(row, ref) -> bool:
         abs(a - b) <= 1e-4 for a, b in zip(row["losses"], ref))
 
 
+def system_row(data, name):
+    """`data`'s row of system `name` with a median step, or None."""
+    return next((r for r in data["systems"] if r["system"] == name and "median_s" in r), None)
+
+
 def step_rows(data):
     """Rows with the ratio to DDP's median step, and a compiled row's to DDP + compile's."""
-    ddp = next((r for r in data["systems"] if r["system"] == "ddp" and "median_s" in r), None)
-    ddpc = next((r for r in data["systems"] if r["system"] == "ddp+c" and "median_s" in r), None)
+    ddp, ddpc = system_row(data, "ddp"), system_row(data, "ddp+c")
     rows = []
     for r in data["systems"]:
         r = dict(r)
@@ -165,8 +169,7 @@ def ratio_interval(data, r, base, resamples: int = 1000) -> tuple[float, float] 
 
 def goal_base(data, r):
     """The row a goal's ratio is read against: DDP, or for a compiled row DDP + compile."""
-    want = "ddp+c" if r["system"].endswith("+c") else "ddp"
-    return next((d for d in data["systems"] if d["system"] == want and "median_s" in d), None)
+    return system_row(data, "ddp+c" if r["system"].endswith("+c") else "ddp")
 
 
 def goal_cell(workload, r) -> str:

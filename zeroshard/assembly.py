@@ -256,8 +256,7 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         hooks = Stage3Hooks(module, parts.cache, layout.chunks_of, model.names, model.shapes, config.dtype,
                             on_borrow=layout.forget, leaves=world.leaves, on_leaf_backward=on.leaf_backward_done)
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
-        parts.reducer.count_at_leaf_end(p for leaf in world.leaves if leaf is not hooks.root
-                                        for _, p in hooks.params_of(leaf))
+        parts.reducer.count_at_leaf_end(hooks.params_counted_at_leaf_end())
     route_zero_grad(module, on.zero_grad)
     # a forward is a collective
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)

@@ -374,10 +374,18 @@ class Stage3Hooks:
         for m in self.held.arrived(id(param)):
             self._release_held(m)
 
+    def _counts_at_leaf_end(self, unit) -> bool:
+        """Whether the unit's parameters count as arrived when its backward ends: a leaf's, but not
+        the root's, whose modules called outside its forward may add gradients after (each would
+        reduce its chunk again); the root's count as their gradients arrive."""
+        return unit in self.leaves and unit is not self.root
+
+    def params_counted_at_leaf_end(self) -> list[nn.Parameter]:
+        """The parameters that count towards their chunk's completion at their leaf's backward end."""
+        return [p for leaf in self.leaves if self._counts_at_leaf_end(leaf) for _, p in self.params_of(leaf)]
+
     def _end_leaf_backward(self, unit) -> None:
-        # Its parameters count as arrived (a frozen unit's are not counted); not the root's, whose
-        # modules called outside its forward may add gradients after (each would reduce again)
-        if unit in self.leaves and unit is not self.root:
+        if self._counts_at_leaf_end(unit):  # a frozen unit's parameters are not counted
             self.on_leaf_backward([p for _, p in self.params_of(unit)])
         if self.held.end(unit):
             self._release_held(unit)
