@@ -28,9 +28,16 @@ STEPS = 2
 # and prefetches inside a forward; uneven shards at world 3).
 # And the planner's choice (Elixir: the profile on the meta device, then the search), whose profile
 # failed for fused experts in fp32 (torch._grouped_mm's meta kernel takes bf16 only).
+# And config compile (aot_eager: eager's aten operations, so within fp32 SGD's tolerance) with layers
+# split across chunks: at stage 2 each layer block compiled, waiting for its own chunks; at stage 3
+# each block a leaf unit gathered around its compiled forward.
+EAGERLIKE = {"backend": "aot_eager"}
 CONFIGS = {"stage0": {"stage": 0}, "stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
            "auto": {"stage": "auto", "offload": "auto"},
-           "stage3_small_chunks": {"stage": 3, "chunk_size": 2048, "cache_chunks": 2}}
+           "stage3_small_chunks": {"stage": 3, "chunk_size": 2048, "cache_chunks": 2},
+           "stage2_compiled": {"stage": 2, "chunk_size": 2048, "compile": EAGERLIKE},
+           "stage3_compiled": {"stage": 3, "chunk_size": 2048, "cache_chunks": 2, "compile": EAGERLIKE}}
+GENERATING = ("stage3_small_chunks", "stage3_compiled")  # the engines whose greedy generation is compared
 
 
 def _no_dropout(cfg):
@@ -142,8 +149,9 @@ def with_lora(model: torch.nn.Module, checkpointing: bool = False) -> torch.nn.M
 
 def trained_alike(rank: int, world: int, name: str) -> dict:
     """Per engine configuration, the largest difference from plain PyTorch after STEPS steps of SGD
-    with momentum; for a generative model, also whether greedy generation at stage 3 with small
-    chunks gives the plain model's tokens."""
+    with momentum, and for a compiled one the graph breaks dynamo counted (each compiled
+    configuration starts from a reset dynamo); for a generative model, also whether greedy
+    generation by each GENERATING engine gives the plain model's tokens."""
     build, kind, generates = architectures()[name]
     if build is None:
         return {"unavailable": True}
@@ -156,20 +164,28 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
     initial = copy.deepcopy(ref.state_dict())
     trained_in_plain_pytorch(ref, data, world)
     want = compared(ref, ref.state_dict())
-    out = {"unavailable": False, "diff": {}}
+    out = {"unavailable": False, "diff": {}, "breaks": {}, "same_tokens": {}}
+    engines = {}
     for label, cfg in CONFIGS.items():
         model = build()
         model.load_state_dict(initial)
-        engine = trained_by_engine(model, cfg, data, rank)
+        if cfg.get("compile"):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+        engines[label] = engine = trained_by_engine(model, cfg, data, rank)
         out["diff"][label] = max_diff(compared(ref, engine.full_state_dict()), want)
-    if generates:  # the last engine: stage 3, small chunks (CONFIGS' order)
+        if cfg.get("compile"):
+            out["breaks"][label] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if generates:
         prompt = {k: v for k, v in data[0][rank].items() if k != "labels"}
         ref.eval()
-        engine.eval()
         with torch.no_grad():
             plain = ref.generate(**prompt, max_new_tokens=5, do_sample=False)
-            got = engine.module.generate(**prompt, max_new_tokens=5, do_sample=False)
-        out["same_tokens"] = bool(torch.equal(plain, got))
+        for label in GENERATING:
+            engines[label].eval()
+            with torch.no_grad():
+                got = engines[label].module.generate(**prompt, max_new_tokens=5, do_sample=False)
+            out["same_tokens"][label] = bool(torch.equal(plain, got))
     return out
 
 
