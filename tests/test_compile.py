@@ -5,6 +5,7 @@ is compiled whole (its Note: one chunk). Each scenario
 trains a three-block model compiled and eagerly through the engine, and plain eager PyTorch on the
 global batch (compile_scenarios.py)."""
 import pytest
+import torch
 
 import zeroshard
 from compile_scenarios import COMPILE, INDUCTOR, SCENARIOS
@@ -13,7 +14,8 @@ from distributed import ok
 RESULTS = COMPILE  # read by the `res` fixture (conftest.py)
 
 
-COMPILED = [name for name in SCENARIOS if name not in ("no_blocks_stage3", "arrivals_per_block_stage1")]
+COMPILED = [name for name in SCENARIOS if name not in ("no_blocks_stage3", "arrivals_per_block_stage1")
+            and not name.startswith("deep_decoder")]
 
 
 @pytest.mark.parametrize("name", COMPILED)
@@ -58,6 +60,23 @@ def test_compiled_blocks_wait_for_their_own_chunks_only(res):
             assert at_blocks[0] > at_blocks[1] > at_blocks[2] > 0, got
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_deep_hugging_face_decoder_compiles_one_graph_for_all_its_layers(res, stage):
+    """Called without use_cache, a GPT-2 of 10 layers would build a KV cache whose layer index
+    makes dynamo compile each block anew, up to its recompile limit (8), leaving the last layers
+    eager; the engine calls it with use_cache=False (compiled.py's Note: KV cache): one graph for
+    the 10 blocks, no limit hit, plain PyTorch's model within 1e-5. Named, use_cache=True is kept,
+    and with it each layer is compiled again (which is what the note avoids)."""
+    r, _ = res
+    got = ok(r, f"deep_decoder_stage{stage}")
+    assert got["compiled"] == 10 and got["chunks"] >= 10, got
+    assert got["diff"] <= 1e-5 and got["breaks"] == 0, got
+    assert got["graphs"] == 1 and got["recompile_limit_hits"] == 0, got
+    if stage == 2:
+        named = ok(r, "deep_decoder_use_cache_named_stage2")
+        assert named["diff"] <= 1e-5 and named["graphs"] == 8 and named["recompile_limit_hits"] > 0, named
+
+
 def test_an_embedding_called_outside_the_root_reduces_the_chunk_once(res):
     """Its gradient arrives after the root's backward reached the root's inputs: the root's
     parameters count when their gradients arrive, not all at that point (which reduced the chunk,
@@ -88,3 +107,26 @@ def test_compile_config_is_checked():
         zeroshard.Config(compile="yes")
     with pytest.raises(zeroshard.ConfigError, match="compile.*unexpected keyword"):
         zeroshard.Config(compile={"backendd": "inductor"})
+
+
+def test_a_call_naming_neither_use_cache_nor_a_cache_runs_without_a_kv_cache(caplog):
+    """compiled.py's Note: KV cache, in one process: the call gets use_cache=False, said once; a
+    call naming use_cache, or passing a cache, keeps what it names; without config compile nothing
+    changes."""
+    from models import tiny_gpt2
+    from zeroshard.runtime.compiled import CACHE_ARGUMENTS
+    x = torch.randint(0, 128, (1, 8))
+    plain = zeroshard.initialize(tiny_gpt2(), None, {"stage": 2})
+    assert plain(input_ids=x).past_key_values is not None
+    engine = zeroshard.initialize(tiny_gpt2(), None, {"stage": 2, "compile": {"backend": "aot_eager"}})
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        assert engine(input_ids=x).past_key_values is None
+        assert engine(input_ids=x, labels=x).past_key_values is None
+    said = [r.getMessage() for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and "GPT2LMHeadModel" in said[0], said
+    with torch.no_grad():
+        cache = engine(input_ids=x, use_cache=True).past_key_values
+        assert cache is not None
+        for name in CACHE_ARGUMENTS:  # its name since transformers 5, and before
+            assert engine(input_ids=x[:, -1:], **{name: cache}).past_key_values is not None
+    assert engine(input_ids=x, use_cache=False).past_key_values is None

@@ -27,7 +27,7 @@ from .distributed.tensor_parallel import local_grad
 from .errors import ConfigError, invariant
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
-from .runtime.compiled import compile_model, compile_targets, torch_compiler
+from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
 from .units import refuse_untrainable
@@ -79,6 +79,8 @@ class Engine(EngineIO):
             weakref.finalize(self, self.layout.shard_tier.close)
         self._compiler = torch_compiler(config.compile)
         self.compiled = None  # the modules whose forward is compiled, once it is (runtime/compiled.py)
+        if self._compiler is not None:
+            calls_without_kv_cache(module)
         self._follow_schedule()
 
     def _set_counters(self) -> None:

@@ -45,10 +45,24 @@ Not under offload or stage 'auto': the plan's prefetch schedule names the module
 Where a front end replaces the root's forward after initialize, its layer blocks are compiled
 inside that one unit instead (compile_targets); every module of the root has hooks for calls from
 outside its forward (hooks.Stage3Hooks), which return at once inside a graph.
+
+Note: KV cache. A Hugging Face decoder called without `use_cache` builds a KV cache (its
+config.use_cache, true unless set) in training too, where nothing reads it. Each layer's attention
+passes its own layer_idx to the cache, which dynamo guards as a constant, so the forward compiled
+once for every layer block is compiled again for each layer until the recompile limit (8) leaves
+the later layers eager (a 12-layer Llama, stage 2, blocks over several chunks: 8 graphs and a
+limit hit; 1 graph with use_cache=False). torch.compile of a whole model unrolls its layers into
+one graph and never meets this; compiling block by block does. So with config compile a call that
+names neither use_cache nor a cache (`cache`, `past_key_values` before transformers 5) runs with
+use_cache=False (calls_without_kv_cache), as
+transformers' Trainer sets config.use_cache from its use_cache argument (False by default).
+generate names use_cache, so while it runs a deep model's blocks still compile once per layer.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import logging
 from typing import Callable
 
 import torch
@@ -85,6 +99,39 @@ def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chun
         return list(leaves)
     blocks = layer_blocks(module)
     return [module] if not blocks or compiles_whole(module, chunks) else blocks
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # a Hugging Face forward's KV cache, by its name since and before v5
+
+
+def calls_without_kv_cache(module: nn.Module) -> list:
+    """Forward pre-hooks on `module` and each module in it whose forward takes `use_cache` (a
+    Hugging Face model): a call naming neither use_cache nor a cache (CACHE_ARGUMENTS) gets
+    use_cache=False (Note: KV cache), said once per module where its config.use_cache was on.
+    Returns the handles."""
+    handles = []
+    for m in module.modules():
+        try:
+            names = list(inspect.signature(m.forward).parameters)
+        except (TypeError, ValueError):  # a forward without a signature to read
+            continue
+        if "use_cache" in names:  # a call passing it, or the cache, by position names it too
+            named_within = min(names.index(k) for k in ("use_cache", *CACHE_ARGUMENTS) if k in names)
+            handles.append(m.register_forward_pre_hook(
+                functools.partial(_without_kv_cache, named_within, [False]), with_kwargs=True))
+    return handles
+
+
+def _without_kv_cache(named_within: int, said: list, module: nn.Module, args, kwargs):
+    if "use_cache" in kwargs or any(kwargs.get(k) is not None for k in CACHE_ARGUMENTS) or len(args) > named_within:
+        return None
+    if not said[0] and getattr(getattr(module, "config", None), "use_cache", False):
+        said[0] = True
+        logging.getLogger("zeroshard").warning(
+            "zeroshard: compile: %s is called with use_cache=False (the call named neither use_cache nor "
+            "a cache): a KV cache would compile each layer block anew for its layer "
+            "(runtime/compiled.py's Note: KV cache); name use_cache to choose", type(module).__name__)
+    return args, {**kwargs, "use_cache": False}
 
 
 def compile_model(targets: list[nn.Module], compiler: Callable) -> list[nn.Module]:
