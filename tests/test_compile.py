@@ -112,7 +112,7 @@ def test_compile_config_is_checked():
 def test_a_call_naming_neither_use_cache_nor_a_cache_runs_without_a_kv_cache(caplog):
     """compiled.py's Note: KV cache, in one process: the call gets use_cache=False, said once; a
     call naming use_cache, or passing a cache, keeps what it names; without config compile nothing
-    changes."""
+    changes, nor for a module whose use_cache is its own (no Hugging Face config)."""
     from models import tiny_gpt2
     from zeroshard.runtime.compiled import CACHE_ARGUMENTS
     x = torch.randint(0, 128, (1, 8))
@@ -130,3 +130,14 @@ def test_a_call_naming_neither_use_cache_nor_a_cache_runs_without_a_kv_cache(cap
         for name in CACHE_ARGUMENTS:  # its name since transformers 5, and before
             assert engine(input_ids=x[:, -1:], **{name: cache}).past_key_values is not None
     assert engine(input_ids=x, use_cache=False).past_key_values is None
+
+    class OwnMeaning(torch.nn.Module):  # no Hugging Face config: its use_cache is its own
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x, use_cache=True):
+            return self.lin(x) * (2.0 if use_cache else 1.0)
+    own = zeroshard.initialize(OwnMeaning(), None, {"stage": 2, "compile": {"backend": "aot_eager"}})
+    y = torch.ones(1, 2)
+    assert torch.equal(own(y), own.module.lin(y) * 2.0)

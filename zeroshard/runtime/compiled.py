@@ -105,12 +105,14 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")  # a Hugging Face forward's KV ca
 
 
 def calls_without_kv_cache(module: nn.Module) -> list:
-    """Forward pre-hooks on `module` and each module in it whose forward takes `use_cache` (a
-    Hugging Face model): a call naming neither use_cache nor a cache (CACHE_ARGUMENTS) gets
-    use_cache=False (Note: KV cache), said once per module where its config.use_cache was on.
-    Returns the handles."""
+    """Forward pre-hooks on `module` and each module in it whose forward takes `use_cache` and whose
+    config has one (a Hugging Face model; another module's use_cache may mean something else): a
+    call naming neither use_cache nor a cache (CACHE_ARGUMENTS) gets use_cache=False (Note: KV
+    cache), said once per module where its config.use_cache was on. Returns the handles."""
     handles = []
     for m in module.modules():
+        if not hasattr(getattr(m, "config", None), "use_cache"):
+            continue
         try:
             names = list(inspect.signature(m.forward).parameters)
         except (TypeError, ValueError):  # a forward without a signature to read
