@@ -149,7 +149,7 @@ def with_lora(model: torch.nn.Module, checkpointing: bool = False) -> torch.nn.M
 
 def trained_alike(rank: int, world: int, name: str) -> dict:
     """Per engine configuration, the largest difference from plain PyTorch after STEPS steps of SGD
-    with momentum, and for a compiled one the graph breaks dynamo counted (each compiled
+    with momentum, and for a compiled one the graph breaks and graphs dynamo counted (each compiled
     configuration starts from a reset dynamo); for a generative model, also whether greedy
     generation by each GENERATING engine gives the plain model's tokens."""
     build, kind, generates = architectures()[name]
@@ -164,7 +164,7 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
     initial = copy.deepcopy(ref.state_dict())
     trained_in_plain_pytorch(ref, data, world)
     want = compared(ref, ref.state_dict())
-    out = {"unavailable": False, "diff": {}, "breaks": {}, "same_tokens": {}}
+    out = {"unavailable": False, "diff": {}, "breaks": {}, "graphs": {}, "same_tokens": {}}
     engines = {}
     for label, cfg in CONFIGS.items():
         model = build()
@@ -175,7 +175,9 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
         engines[label] = engine = trained_by_engine(model, cfg, data, rank)
         out["diff"][label] = max_diff(compared(ref, engine.full_state_dict()), want)
         if cfg.get("compile"):
-            out["breaks"][label] = sum(torch._dynamo.utils.counters["graph_break"].values())
+            counters = torch._dynamo.utils.counters
+            out["breaks"][label] = sum(counters["graph_break"].values())
+            out["graphs"][label] = counters["stats"]["unique_graphs"]
     if generates:
         prompt = {k: v for k, v in data[0][rank].items() if k != "labels"}
         ref.eval()

@@ -207,13 +207,25 @@ def arrivals_per_block(rank, world, stage=1):
 def deep_decoder_without_use_cache(rank, world, stage, use_cache=None):
     """A Hugging Face GPT-2 of 10 layers (more than dynamo's recompile limit of 8) called as users
     call it in training, without use_cache (compiled.py's Note: KV cache), or naming `use_cache`:
-    the compiled engine against plain eager PyTorch, and dynamo's counts."""
+    the compiled engine against plain eager PyTorch, and dynamo's counts; then greedy generation
+    by the engine's model and by a plain one holding its weights, and dynamo's counts after it."""
     named = {} if use_cache is None else {"use_cache": use_cache}
     loss = lambda m, x, *_: m(input_ids=x, labels=x, **named).loss  # noqa: E731
     fresh_dynamo()
-    engine, diff = parity(rank, world, functools.partial(tiny_gpt2, n_layer=10), loss, batches(2, world, 1)[:, 0],
+    data = batches(2, world, 1)[:, 0]
+    engine, diff = parity(rank, world, functools.partial(tiny_gpt2, n_layer=10), loss, data,
                           make_sgd, {"stage": stage, "chunk_size": 20000, "compile": EAGERLIKE})
-    return {"diff": diff, **dynamo_counts(), "compiled": len(engine.compiled), "chunks": len(engine.chunks)}
+    out = {"diff": diff, **dynamo_counts(), "compiled": len(engine.compiled), "chunks": len(engine.chunks)}
+    plain = tiny_gpt2(n_layer=10)
+    plain.load_state_dict(engine.full_state_dict())
+    plain.eval()
+    engine.eval()
+    with torch.no_grad():  # generate passes the blocks a KV cache (compiled.py's Note: generation)
+        prompt = data[0, rank, :, :8]
+        want = plain.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
+        got = engine.module.generate(input_ids=prompt, max_new_tokens=6, do_sample=False)
+    return {**out, "same_tokens": bool(torch.equal(want, got)),
+            "after_generate": dynamo_counts()}
 
 
 for _stage in (2, 3):

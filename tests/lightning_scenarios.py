@@ -18,6 +18,7 @@ import os
 import torch
 
 from models import max_diff, tiny_gpt2
+from zeroshard.runtime.compiled import compiled_form
 
 STEPS, STEPS_PER_EPOCH, ACCUMULATION, SEQUENCES_PER_STEP, SEQ = 10, 5, 2, 8, 16
 
@@ -194,7 +195,7 @@ def run(rank: int, world: int, out_path: str) -> None:
         results["stage3_config_compiled"] = {
             "vs_plain": max_diff(full, plain_loop(rank, world, 3)[0]), "chunks": len(engine.chunks),
             "compiled": [type(m).__name__ for m in engine.compiled or ()],
-            "kept": all(hasattr(m.forward, "_torchdynamo_orig_callable") for m in engine.compiled or ())}
+            "kept": all(compiled_form(m.forward) is not None for m in engine.compiled or ())}
     else:
         ref = reference()
         torch.save(ref.pop("state"), os.path.join(root, "reference.pt"))

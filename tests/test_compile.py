@@ -65,16 +65,20 @@ def test_a_deep_hugging_face_decoder_compiles_one_graph_for_all_its_layers(res, 
     """Called without use_cache, a GPT-2 of 10 layers would build a KV cache whose layer index
     makes dynamo compile each block anew, up to its recompile limit (8), leaving the last layers
     eager; the engine calls it with use_cache=False (compiled.py's Note: KV cache): one graph for
-    the 10 blocks, no limit hit, plain PyTorch's model within 1e-5. Named, use_cache=True is kept,
-    and with it each layer is compiled again (which is what the note avoids)."""
+    the 10 blocks, no limit hit, plain PyTorch's model within 1e-5. A call carrying a cache runs
+    the blocks eagerly (Note: generation): generate gives a plain model's tokens and compiles no
+    graph more, and a named use_cache=True is kept, its blocks' calls uncompiled (before that note,
+    8 graphs and a limit hit)."""
     r, _ = res
     got = ok(r, f"deep_decoder_stage{stage}")
     assert got["compiled"] == 10 and got["chunks"] >= 10, got
     assert got["diff"] <= 1e-5 and got["breaks"] == 0, got
     assert got["graphs"] == 1 and got["recompile_limit_hits"] == 0, got
+    # generate, which passes each block the cache, runs them eagerly: the same tokens, no graph more
+    assert got["same_tokens"] and got["after_generate"] == {"breaks": 0, "graphs": 1, "recompile_limit_hits": 0}, got
     if stage == 2:
         named = ok(r, "deep_decoder_use_cache_named_stage2")
-        assert named["diff"] <= 1e-5 and named["graphs"] == 8 and named["recompile_limit_hits"] > 0, named
+        assert named["diff"] <= 1e-5 and named["graphs"] == 0 and named["recompile_limit_hits"] == 0, named
 
 
 def test_an_embedding_called_outside_the_root_reduces_the_chunk_once(res):
@@ -141,3 +145,25 @@ def test_a_call_naming_neither_use_cache_nor_a_cache_runs_without_a_kv_cache(cap
     own = zeroshard.initialize(OwnMeaning(), None, {"stage": 2, "compile": {"backend": "aot_eager"}})
     y = torch.ones(1, 2)
     assert torch.equal(own(y), own.module.lin(y) * 2.0)
+
+
+def test_dynamo_counts_sees_a_recompile_limit_hit():
+    """The check above reads what it claims: modules whose forward multiplies by an int attribute
+    of their own compile once per value, and the ninth meets dynamo's recompile limit (8), which
+    dynamo reports once for the code it then leaves eager."""
+    from compile_scenarios import dynamo_counts, fresh_dynamo
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, k):
+            super().__init__()
+            self.k, self.lin = k, torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x) * self.k
+    fresh_dynamo()
+    for k in range(10):
+        m = Scaled(k)
+        m.forward = torch.compile(m.forward, backend="aot_eager")
+        m(torch.ones(1, 2))
+    got = dynamo_counts()
+    assert got["graphs"] == 8 and got["recompile_limit_hits"] >= 1, got

@@ -54,15 +54,21 @@ the later layers eager (a 12-layer Llama, stage 2, blocks over several chunks: 8
 limit hit; 1 graph with use_cache=False). torch.compile of a whole model unrolls its layers into
 one graph and never meets this; compiling block by block does. So with config compile a call that
 names neither use_cache nor a cache (`cache`, `past_key_values` before transformers 5) runs with
-use_cache=False (calls_without_kv_cache), as
-transformers' Trainer sets config.use_cache from its use_cache argument (False by default).
-generate names use_cache, so while it runs a deep model's blocks still compile once per layer.
+use_cache=False (calls_without_kv_cache), as transformers' Trainer sets config.use_cache from its
+use_cache argument (False by default). generate names use_cache (Note: generation).
+
+Note: generation. generate passes each layer block the model's KV cache, whose layer index dynamo
+again takes as a constant: the compiled block would be compiled anew for each layer and step shape
+until the recompile limit left it eager (a 10-layer GPT-2's first generate: 1.8 s of aot_eager
+compiles and a limit hit; with inductor, a kernel build each). A call carrying a transformers
+`Cache` therefore runs the module's own forward (compile_model), as generation without compile.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
+import sys
 from typing import Callable
 
 import torch
@@ -137,7 +143,24 @@ def _without_kv_cache(named_within: int, said: list, module: nn.Module, args, kw
 
 
 def compile_model(targets: list[nn.Module], compiler: Callable) -> list[nn.Module]:
-    """Replace each target's forward by `compiler(forward)`. Returns the targets."""
+    """Replace each target's forward by `compiler(forward)`, which a call carrying a KV cache
+    bypasses (Note: generation). Returns the targets."""
     for m in targets:
-        m.forward = compiler(m.forward)
+        m.forward = _eager_with_kv_cache(m.forward, compiler(m.forward))
     return list(targets)
+
+
+def compiled_form(forward: Callable) -> Callable | None:
+    """The compiled function behind a forward compile_model installed, or None for any other."""
+    return getattr(forward, "compiled", None)
+
+
+def _eager_with_kv_cache(eager: Callable, compiled: Callable) -> Callable:
+    @functools.wraps(eager)
+    def forward(*args, **kwargs):
+        cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)  # loaded with any model using one
+        if cache is not None and any(isinstance(v, cache) for v in (*args, *kwargs.values())):
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+    forward.compiled = compiled
+    return forward
