@@ -152,7 +152,7 @@ def compile_model(targets: list[nn.Module], compiler: Callable) -> list[nn.Modul
 
 def compiled_form(forward: Callable) -> Callable | None:
     """The compiled function behind a forward compile_model installed, or None for any other."""
-    return getattr(forward, "compiled", None)
+    return getattr(forward, "zeroshard_compiled", None)
 
 
 def _eager_with_kv_cache(eager: Callable, compiled: Callable) -> Callable:
@@ -162,5 +162,5 @@ def _eager_with_kv_cache(eager: Callable, compiled: Callable) -> Callable:
         if cache is not None and any(isinstance(v, cache) for v in (*args, *kwargs.values())):
             return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
-    forward.compiled = compiled
+    forward.zeroshard_compiled = compiled  # a name no forward of a model has (compiled_form)
     return forward
