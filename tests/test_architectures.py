@@ -33,9 +33,10 @@ def test_an_architecture_trains_as_plain_pytorch(res, name, config):
 @pytest.mark.parametrize("config", [c for c in CONFIGS if CONFIGS[c].get("compile")])
 @pytest.mark.parametrize("name", list(architectures()))
 def test_a_compiled_architecture_has_no_graph_break(res, name, config):
-    """It was compiled (a graph at least), and none of these models breaks a graph of its own (peft's parametrized experts do: not here), so
-    any break would be zeroshard's: none at stage 2, whose compiled blocks wait for their chunks in
-    their hooks, nor at stage 3, whose leaf units gather around their compiled forwards."""
+    """It was compiled (a graph at least), and none of these models breaks a graph of its own
+    (peft's parametrized experts do: not here), so any break would be zeroshard's: none at stage 2,
+    whose compiled blocks wait for their chunks in their hooks, nor at stage 3, whose leaf units
+    gather around their compiled forwards."""
     got = _available(res[0], name)
     assert got["breaks"][config] == 0 and got["graphs"][config] >= 1, (name, config, got["breaks"], got["graphs"])
 
