@@ -17,7 +17,7 @@ import zeroshard
 import contract_module_scenarios
 import contract_optimizer_scenarios
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import every_rank
+from distributed import error_on_every_rank, every_rank
 from models import batches, make_sgd, max_diff, tiny_gpt2
 from scenarios import run_all
 
@@ -142,7 +142,6 @@ def untrainable(rank, world, stage):
     """Models zeroshard would otherwise change without a word (a float64, complex or integer
     parameter) or cannot reduce (sparse gradients): initialize raises UnsupportedModelError on every
     rank, before any collective, and leaves the model as it was."""
-    from distributed import error_on_every_rank
     out = {}
     for kind in ("float64", "complex", "integer", "sparse"):
         model = _Untrainable(kind)
@@ -196,6 +195,98 @@ for _name, _cfg in {"fp32_stage0": {"stage": 0}, "bf16_stage0": {"stage": 0, "pr
                     "fp32_stage1_offload": {"stage": 1, "offload_optimizer": True},
                     "bf16_stage2_offload": {"stage": 2, "precision": "bf16", "offload_optimizer": True}}.items():
     SCENARIOS[f"written_between_steps_{_name}"] = lambda rank, world, cfg=_cfg: written_between_steps(rank, world, cfg)
+
+def _mse(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _adversarial(model, backward, x, y):
+    """FGSM: the input's gradient (torch.autograd.grad: no .grad written), then training on x moved
+    along its sign."""
+    x = x.clone().requires_grad_(True)
+    gx, = torch.autograd.grad(_mse(model, x, y), x)
+    backward(_mse(model, (x + 0.1 * gx.sign()).detach(), y))
+
+
+def _retained(model, backward, x, y):
+    """Two backwards through one graph: the first keeps it (retain_graph=True)."""
+    loss = _mse(model, x, y)
+    loss.backward(retain_graph=True)
+    backward(0.5 * loss)
+
+
+def _penalised(model, backward, x, y):
+    """A gradient penalty (WGAN-GP): the input's gradient with create_graph=True, its squared norm
+    in the loss, so backward runs through a backward."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    backward(torch.nn.functional.mse_loss(out, y) + gx.pow(2).sum(1).mean())
+
+
+GRADIENT_CALLS = {"adversarial": _adversarial, "retained": _retained, "penalised": _penalised}
+
+
+def gradient_calls(rank, world, kind, stage, extra=None):
+    """Gradients a step takes besides its loss's backward, as ordinary PyTorch code takes them
+    (GRADIENT_CALLS): the engine trains what plain PyTorch trains on the global batch. Each rank's
+    rows are a quarter of the batch's; a row's input gradient is its own (an MLP mixes no rows),
+    so the global batch's losses give each row what the rank's gave it, up to the loss's scale,
+    which the sign (FGSM) removes and the penalty's mean over rows keeps equal."""
+    g = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(3, world, 4, 8, generator=g), torch.randn(3, world, 4, 4, generator=g)
+    ref = _mlp()
+    ref_opt = make_sgd(ref.parameters())
+    for x, y in zip(xs, ys):
+        GRADIENT_CALLS[kind](ref, lambda loss: loss.backward(), x.reshape(-1, 8), y.reshape(-1, 4))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine = zeroshard.initialize(_mlp(), make_sgd, {"stage": stage, "chunk_size": 200, **(extra or {})})
+    for x, y in zip(xs, ys):
+        GRADIENT_CALLS[kind](engine, engine.backward, x[rank], y[rank])
+        engine.step()
+    return {"diff": max_diff(engine.full_state_dict(), ref.state_dict()), "chunks": len(engine.chunks)}
+
+
+def parameter_gradients(rank, world, stage):
+    """torch.autograd.grad of a loss w.r.t. the parameters themselves: at stages 0-2 each rank gets
+    its own batch's gradients, as plain PyTorch (and DDP, which reduces only what reaches .grad)
+    gives them, and no .grad changes. At stage 3 a parameter outside its module's forward is
+    sharded: ShardedParameterError on every rank, and the engine trains on after it."""
+    g = torch.Generator().manual_seed(8)
+    xs, ys = torch.randn(2, world, 4, 8, generator=g), torch.randn(2, world, 4, 4, generator=g)
+    engine = zeroshard.initialize(_mlp(), make_sgd, {"stage": stage, "chunk_size": 200})
+    got = {}
+
+    def take():
+        got["grads"] = torch.autograd.grad(_mse(engine, xs[0, rank], ys[0, rank]), list(engine.parameters()))
+    raised = error_on_every_rank(take)
+    out = {"raised": raised, "grads_left_alone": all(p.grad is None for p in engine.parameters())}
+    if "grads" in got:
+        plain = _mlp()
+        mine = torch.autograd.grad(_mse(plain, xs[0, rank], ys[0, rank]), list(plain.parameters()))
+        out["grads_diff"] = max(float((a - b).abs().max()) for a, b in zip(got["grads"], mine))
+    ref = _mlp()
+    ref_opt = make_sgd(ref.parameters())
+    for x, y in zip(xs, ys):
+        _mse(ref, x.reshape(-1, 8), y.reshape(-1, 4)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(_mse(engine, x[rank], y[rank]))
+        engine.step()
+    out["diff"] = max_diff(engine.full_state_dict(), ref.state_dict())
+    return out
+
+
+for _kind in GRADIENT_CALLS:
+    for _stage in range(4):
+        SCENARIOS[f"gradient_calls_{_kind}_stage{_stage}"] = (
+            lambda rank, world, kind=_kind, stage=_stage: gradient_calls(rank, world, kind, stage))
+    SCENARIOS[f"gradient_calls_{_kind}_stage3_cache1"] = (
+        lambda rank, world, kind=_kind: gradient_calls(rank, world, kind, 3, {"cache_chunks": 1}))
+for _stage in range(4):
+    SCENARIOS[f"parameter_gradients_stage{_stage}"] = lambda rank, world, stage=_stage: parameter_gradients(
+        rank, world, stage)
 
 for _stage in (0, 3):
     SCENARIOS[f"untrainable_stage{_stage}"] = lambda rank, world, stage=_stage: untrainable(rank, world, stage)

@@ -186,3 +186,27 @@ def test_writes_into_parameters_between_steps_last_as_in_torch(res, name):
     r, _ = res
     got = ok(r, f"written_between_steps_{name}")
     assert got["diff"] <= (1e-5 if name.startswith("fp32") else 1e-2), got
+
+
+@pytest.mark.parametrize("config", ["stage0", "stage1", "stage2", "stage3", "stage3_cache1"])
+@pytest.mark.parametrize("kind", ["adversarial", "retained", "penalised"])
+def test_gradients_besides_the_loss_backward_train_as_in_torch(res, kind, config):
+    """torch.autograd.grad of the input (FGSM), a backward that retains its graph for a second, a
+    gradient penalty (create_graph=True): fp32 SGD tolerance; stage 3 also with a 1-chunk rCache,
+    where the two chunks are gathered again for every use."""
+    r, _ = res
+    got = ok(r, f"gradient_calls_{kind}_{config}")
+    assert got["chunks"] == 2 and got["diff"] <= TOL["sgd"]
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_autograd_grad_of_the_parameters(res, stage):
+    """Stages 0-2: each rank's own gradients, no .grad written; stage 3: ShardedParameterError on
+    every rank, and training goes on exactly after it."""
+    r, world = res
+    got = ok(r, f"parameter_gradients_stage{stage}")
+    assert got["grads_left_alone"] and got["diff"] <= TOL["sgd"]
+    if stage == 3:
+        assert all(e.startswith("ShardedParameterError: ") for e in got["raised"]) and len(got["raised"]) == world
+    else:
+        assert got["raised"] == ["no error"] * world and got["grads_diff"] <= 1e-6
