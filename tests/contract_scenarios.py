@@ -278,6 +278,44 @@ def parameter_gradients(rank, world, stage):
     return out
 
 
+def user_autocast(rank, world, stage, extra=None):
+    """The user's own torch.autocast (bf16) around the forward of an fp32 engine, as AMP code writes
+    it. Under autocast each rank's weight gradient is a bf16 matmul's output, rounded before the
+    ranks' sum, so the reference is plain PyTorch summing the ranks' batches' gradients one batch
+    at a time (what DDP computes): equal within fp32 SGD tolerance; the global batch's gradient,
+    rounded once, differs by the 16-bit tolerance's order."""
+    g = torch.Generator().manual_seed(9)
+    xs, ys = torch.randn(3, world, 4, 8, generator=g), torch.randn(3, world, 4, 4, generator=g)
+
+    def loss(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return torch.nn.functional.mse_loss(out.float(), y)
+    refs = {}
+    for split in (True, False):
+        ref = _mlp()
+        ref_opt = make_sgd(ref.parameters())
+        for x, y in zip(xs, ys):
+            for part_x, part_y in (zip(x, y) if split else [(x.reshape(-1, 8), y.reshape(-1, 4))]):
+                loss(ref, part_x, part_y).backward()
+            if split:  # the mean over ranks, taken after the sum as the engine takes it (1/3 rounds)
+                for p in ref.parameters():
+                    p.grad /= world
+            ref_opt.step()
+            ref_opt.zero_grad()
+        refs[split] = ref.state_dict()
+    engine = zeroshard.initialize(_mlp(), make_sgd, {"stage": stage, "chunk_size": 200, **(extra or {})})
+    for x, y in zip(xs, ys):
+        engine.backward(loss(engine, x[rank], y[rank]))
+        engine.step()
+    got = engine.full_state_dict()
+    return {"diff_per_rank_batches": max_diff(got, refs[True]), "diff_global_batch": max_diff(got, refs[False]),
+            "dtype": str(next(engine.parameters()).dtype)}
+
+
+for _stage in range(4):
+    SCENARIOS[f"user_autocast_stage{_stage}"] = lambda rank, world, stage=_stage: user_autocast(rank, world, stage)
+SCENARIOS["user_autocast_stage3_cache1"] = lambda rank, world: user_autocast(rank, world, 3, {"cache_chunks": 1})
 for _kind in GRADIENT_CALLS:
     for _stage in range(4):
         SCENARIOS[f"gradient_calls_{_kind}_stage{_stage}"] = (

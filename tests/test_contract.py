@@ -210,3 +210,13 @@ def test_autograd_grad_of_the_parameters(res, stage):
         assert all(e.startswith("ShardedParameterError: ") for e in got["raised"]) and len(got["raised"]) == world
     else:
         assert got["raised"] == ["no error"] * world and got["grads_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("config", ["stage0", "stage1", "stage2", "stage3", "stage3_cache1"])
+def test_the_users_own_autocast_trains_as_ddp_would(res, config):
+    """torch.autocast(bf16) around an fp32 engine's forward: the ranks' batches' gradients summed
+    (DDP's result) within fp32 SGD tolerance, the global batch's within the 16-bit tolerance."""
+    r, _ = res
+    got = ok(r, f"user_autocast_{config}")
+    assert got["dtype"] == "torch.float32"
+    assert got["diff_per_rank_batches"] <= TOL["sgd"] and got["diff_global_batch"] <= 1e-2
