@@ -326,6 +326,52 @@ for _stage in range(4):
     SCENARIOS[f"parameter_gradients_stage{_stage}"] = lambda rank, world, stage=_stage: parameter_gradients(
         rank, world, stage)
 
+class _RenormedEmbedding(torch.nn.Module):
+    """An nn.Embedding with max_norm (rows renormalized in place inside the forward), rows scaled
+    so that every one is renormalized when first looked up."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = torch.nn.Embedding(20, 8, max_norm=1.0), torch.nn.Linear(8, 4)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)
+
+    def forward(self, x):
+        return self.head(self.emb(x).mean(1))
+
+
+def forward_writes(rank, world, stage):
+    """A module that writes into its weight inside its forward (max_norm): above a world size of 1,
+    and at stage 3, initialize raises UnsupportedModelError on every rank and leaves the model as
+    it was (each rank would keep only its own batch's renormalized rows, or stage 3 would drop
+    them with the gathered chunk: a model plain PyTorch does not train). At a world size of 1,
+    stages 0-2 train what torch trains."""
+    g = torch.Generator().manual_seed(10)
+    xs, ys = torch.randint(0, 20, (3, world, 4, 5), generator=g), torch.randn(3, world, 4, 4, generator=g)
+    model = _RenormedEmbedding()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = {}
+    raised = error_on_every_rank(lambda: engine.setdefault("e", zeroshard.initialize(
+        model, make_sgd, {"stage": stage, "chunk_size": 100})))
+    out = {"raised": raised, "unchanged": type(model) is _RenormedEmbedding
+           and max_diff(model.state_dict(), before) == 0.0}
+    if "e" in engine:
+        ref = _RenormedEmbedding()
+        ref_opt = make_sgd(ref.parameters())
+        for x, y in zip(xs, ys):
+            torch.nn.functional.mse_loss(ref(x.reshape(-1, 5)), y.reshape(-1, 4)).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            engine["e"].backward(torch.nn.functional.mse_loss(engine["e"](x[rank]), y[rank]))
+            engine["e"].step()
+        out["diff"] = max_diff(engine["e"].full_state_dict(), ref.state_dict())
+    return out
+
+
+for _stage in range(4):
+    SCENARIOS[f"forward_writes_stage{_stage}"] = lambda rank, world, stage=_stage: forward_writes(rank, world, stage)
+
 for _stage in (0, 3):
     SCENARIOS[f"untrainable_stage{_stage}"] = lambda rank, world, stage=_stage: untrainable(rank, world, stage)
 

@@ -220,3 +220,17 @@ def test_the_users_own_autocast_trains_as_ddp_would(res, config):
     got = ok(r, f"user_autocast_{config}")
     assert got["dtype"] == "torch.float32"
     assert got["diff_per_rank_batches"] <= TOL["sgd"] and got["diff_global_batch"] <= 1e-2
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_a_weight_written_inside_the_forward_is_refused_where_it_would_be_lost(res, stage):
+    """nn.Embedding(max_norm=...): UnsupportedModelError on every rank, model untouched, above a world
+    size of 1 and at stage 3; at a world size of 1, stages 0-2 train exactly as torch."""
+    r, world = res
+    got = ok(r, f"forward_writes_stage{stage}")
+    if world > 1 or stage == 3:
+        assert len(got["raised"]) == world and got["unchanged"]
+        assert all(e.startswith("UnsupportedModelError: ") and "'emb' (Embedding(max_norm=1.0))" in e
+                   for e in got["raised"]), got["raised"]
+    else:
+        assert got["raised"] == ["no error"] and got["diff"] <= TOL["sgd"]

@@ -30,7 +30,7 @@ from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
 from .runtime.hooks import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
-from .units import refuse_untrainable
+from .units import refuse_forward_writes, refuse_untrainable
 
 log = logging.getLogger("zeroshard")
 
@@ -44,11 +44,13 @@ class Engine(EngineIO):
         self.module = module
         refuse_untrainable(module)
         world = join_world(module, config, device)
+        refuse_forward_writes(module, config.stage if isinstance(config.stage, int) else None, world.comm.world)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
         self.shards = world.shards
         self.transfer = world.transfer
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
+        refuse_forward_writes(module, config.stage, world.comm.world)  # a stage 'auto' chose
         world = compile_units(module, config, world, planned)
         self.leaves = world.leaves
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)

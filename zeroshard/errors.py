@@ -50,8 +50,10 @@ class ModuleMovedError(ZeroShardError, RuntimeError):
 
 class UnsupportedModelError(ZeroShardError, TypeError):
     """A model zeroshard cannot train as it is, found at initialize before anything changed: a
-    parameter whose values the fp32/16-bit chunks cannot hold (float64, complex, integer), or a
-    module that makes sparse gradients. The message names each one and what to change."""
+    parameter whose values the fp32/16-bit chunks cannot hold (float64, complex, integer), a
+    module that makes sparse gradients, or one that writes into its weight inside its forward
+    where that write would be kept on one rank only or lost (an embedding with max_norm, above a
+    world size of 1 or at stage 3). The message names each one and what to change."""
 
 
 class ModuleCopyError(ZeroShardError, TypeError):
