@@ -8,6 +8,7 @@ import torch
 
 import zeroshard
 from contract_common import loss_of, per_optimizer_and_stage
+from distributed import error_on_every_rank
 from models import batches, inputs, make_adamw, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
@@ -120,6 +121,60 @@ for _when in ("before_forward", "after_steps"):
         SCENARIOS[f"requires_grad_{_when}_stage{_stage}"] = (
             lambda rank, world, stage=_stage, when=_when: requires_grad_changes(rank, world, make_adamw, stage, when))
 
+
+BODY = "transformer.h.0"
+
+
+def added_param_group(rank, world, stage, frozen_at_initialize: bool):
+    """Gradual unfreezing as Lightning's BackboneFinetuning does it: an AdamW over the parameters
+    that train from the start, then, after 2 steps, a block unfrozen (or trained but in no group)
+    and given to `optimizer.add_param_group` with its own learning rate: from then on it trains
+    in that group, from no state, as in torch (it used to stay where it was: the group held the
+    model's parameters, which have no .grad). Then a second add_param_group naming a parameter
+    already in a group: ValueError on every rank, as torch's own check would raise."""
+    data = batches(4, world, 2)
+
+    def body(model):
+        return list(model.get_submodule(BODY).parameters())
+
+    def build(model):
+        if frozen_at_initialize:
+            for p in body(model):
+                p.requires_grad_(False)
+        held = {id(p) for p in body(model)}
+        return torch.optim.AdamW([p for p in model.parameters() if id(p) not in held], lr=1e-3, weight_decay=0.1)
+
+    def join(model, opt):
+        for p in body(model):
+            p.requires_grad_(True)
+        opt.add_param_group({"params": body(model), "lr": 3e-3})
+
+    ref = tiny_gpt2()
+    ref_opt = build(ref)
+    for k, step in enumerate(data):
+        if k == 2:
+            join(ref, ref_opt)
+        loss_of(ref, step.reshape(-1, step.shape[-1])).backward()
+        ref_opt.step()
+        ref.zero_grad(set_to_none=True)  # every gradient, as the engine's step clears them
+    model = tiny_gpt2()
+    engine = zeroshard.initialize(model, build(model), {"stage": stage, "chunk_size": 20000})
+    for k, step in enumerate(data):
+        if k == 2:
+            join(model, engine.optimizer)
+        engine.backward(loss_of(engine, step[0, rank]))
+        engine.step()
+    out = {"diff": max_diff(engine.full_state_dict(), ref.state_dict()),
+           "lrs": [g["lr"] for g in engine.optimizer.param_groups]}
+    engine.optimizer.add_param_group({"params": [model.get_parameter("lm_head.weight")], "lr": 1.0})
+    out["twice"] = error_on_every_rank(lambda: (engine.backward(loss_of(engine, data[0, 0, rank])), engine.step()))
+    return out
+
+
+for _stage in range(4):
+    for _frozen in (True, False):
+        SCENARIOS[f"added_param_group_{'frozen' if _frozen else 'trained'}_stage{_stage}"] = (
+            lambda rank, world, stage=_stage, frozen=_frozen: added_param_group(rank, world, stage, frozen))
 
 class Gated(torch.nn.Module):
     """y = head(tanh(a(h) [+ b(h)])): `b` runs only where asked (dynamic control flow)."""

@@ -234,3 +234,16 @@ def test_a_weight_written_inside_the_forward_is_refused_where_it_would_be_lost(r
                    for e in got["raised"]), got["raised"]
     else:
         assert got["raised"] == ["no error"] and got["diff"] <= TOL["sgd"]
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("form", ["frozen", "trained"])
+def test_a_param_group_added_after_initialize_trains_in_it(res, form, stage):
+    """optimizer.add_param_group after 2 steps, of a block unfrozen then (or trained in no group
+    until then), with its own learning rate: AdamW tolerance against torch; a parameter already in
+    a group, added again: ValueError on every rank."""
+    r, world = res
+    got = ok(r, f"added_param_group_{form}_stage{stage}")
+    assert got["diff"] <= TOL["adamw"] and got["lrs"] == [1e-3, 3e-3]
+    assert len(got["twice"]) == world and all(
+        e.startswith("ValueError: zeroshard: optimizer.add_param_group was given parameter ") for e in got["twice"])

@@ -19,6 +19,7 @@ import inspect
 import torch
 
 from ..errors import FrozenParameterError
+from ..runtime.placeholder import ShardedPlaceholder
 
 
 class ParamGroups:
@@ -33,6 +34,7 @@ class ParamGroups:
         self.default_group: int | None = None  # the group of a parameter not in group_of
         self.state_at_build = False  # the optimizer made state when it was built (Adagrad)
         self._by_position = False  # a callable split the tensors it was handed into several groups
+        self.known_groups = 0  # the optimizer's groups at the last assign: more are the user's add_param_group
 
     def build(self, pieces) -> torch.optim.Optimizer:
         """The optimizer to step `pieces` (this rank's master pieces) with, and each parameter's group."""
@@ -56,12 +58,18 @@ class ParamGroups:
             else:  # built from the model's own parameters
                 self.group_of = owned_groups(opt, self.names)
         self.state_at_build = bool(opt.state)
+        self.known_groups = len(opt.param_groups)
         return opt
 
     def assign(self, opt: torch.optim.Optimizer, pieces, new=None) -> None:
         """Put each piece in its parameter's group (replacing the groups' tensors). `new`: the
         pieces that join an optimizer that has stepped (parameters unfrozen since initialize):
-        only they get the state the optimizer makes when built (Adagrad's accumulator)."""
+        only they get the state the optimizer makes when built (Adagrad's accumulator). Groups the
+        user added since the last assign (`add_param_group`) are taken first (take_added): their
+        parameters' pieces join them, new as well."""
+        joined = self.take_added(opt) if self.added(opt) else set()
+        if joined:
+            new = list(new or ()) + [pc for pc in pieces if id(pc.slot.param) in joined]
         groups = [[] for _ in opt.param_groups]
         for pc in pieces:
             g = self.group_of.get(id(pc.slot.param), self.default_group)
@@ -80,12 +88,39 @@ class ParamGroups:
                 groups[g].append(pc.param)
         for group, params in zip(opt.param_groups, groups):
             group["params"] = params
+        self.known_groups = len(opt.param_groups)
         if self.state_at_build and new is None:
             opt.state.clear()
             opt.state.update(state_at_build(opt, groups))
         elif self.state_at_build:
             joined = {id(pc.param) for pc in new}
             opt.state.update(state_at_build(opt, [[p for p in ps if id(p) in joined] for ps in groups]))
+
+
+    def added(self, opt: torch.optim.Optimizer) -> bool:
+        """The user added param groups since the last assign (`optimizer.add_param_group`)."""
+        return len(opt.param_groups) > self.known_groups
+
+    def take_added(self, opt: torch.optim.Optimizer) -> set[int]:
+        """Each model parameter in a group added since the last assign joins that group, as in
+        torch (assign then gives the group its pieces). Returns their ids. ValueError, before
+        anything changes, for a tensor that is not one of the model's parameters or a parameter
+        already in a group (torch's add_param_group refuses that too, but cannot see it here:
+        the earlier groups hold master pieces, not the parameters)."""
+        joined = {}
+        for i in range(self.known_groups, len(opt.param_groups)):
+            for p in opt.param_groups[i]["params"]:
+                if isinstance(p, ShardedPlaceholder) and p._zs_param is not None:  # stage 3's stand-in
+                    p = p._zs_param
+                if id(p) not in self.names:
+                    raise ValueError(f"zeroshard: optimizer.add_param_group was given a tensor of shape "
+                                     f"{tuple(p.shape)} that is not a parameter of the model")
+                if id(p) in self.group_of or id(p) in joined:
+                    raise ValueError(f"zeroshard: optimizer.add_param_group was given parameter "
+                                     f"{self.names[id(p)]}, which is already in a param group")
+                joined[id(p)] = i
+        self.group_of.update(joined)
+        return set(joined)
 
 
 def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int, int]:
