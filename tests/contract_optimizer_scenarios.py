@@ -86,11 +86,14 @@ for _stage in (1, 2, 3):
 FROZEN = "transformer.h.0.mlp.c_fc.weight"
 
 
-def requires_grad_changes(rank, world, make_opt, stage, when):
+def requires_grad_changes(rank, world, make_opt, stage, when, direct=False):
     """A parameter frozen after initialize: 'before_forward' (while the first forward records the
     order of first use), then unfrozen after 2 steps; or 'after_steps' (frozen after 2 steps of
     training). torch does not step a parameter whose .grad is None: no momentum, no weight decay
-    (issue 14, defect 1: it landed in a frozen chunk for good, or kept moving under Adam)."""
+    (issue 14, defect 1: it landed in a frozen chunk for good, or kept moving under Adam).
+    `direct`: the parameter is frozen before initialize (its chunk frozen) and the forward calls
+    the wrapped model itself, not the engine (unfrozen, it stayed frozen there: only the engine's
+    call followed requires_grad)."""
     data = batches(4, world, 2)
 
     def flip(p, k):  # p: a reference taken before initialize (stage 3 puts placeholders in the model)
@@ -108,10 +111,12 @@ def requires_grad_changes(rank, world, make_opt, stage, when):
         opt.zero_grad(set_to_none=True)
     model = tiny_gpt2()
     p = model.get_parameter(FROZEN)
+    if direct:
+        p.requires_grad_(False)
     engine = zeroshard.initialize(model, make_opt, {"stage": stage, "chunk_size": 20000})
     for k, step in enumerate(data):
         flip(p, k)
-        engine.backward(loss_of(engine, step[0, rank]))
+        engine.backward(loss_of(model if direct else engine, step[0, rank]))
         engine.step()
     return {"diff": max_diff(engine.full_state_dict(), ref.state_dict())}
 
@@ -120,6 +125,9 @@ for _when in ("before_forward", "after_steps"):
     for _stage in range(4):
         SCENARIOS[f"requires_grad_{_when}_stage{_stage}"] = (
             lambda rank, world, stage=_stage, when=_when: requires_grad_changes(rank, world, make_adamw, stage, when))
+for _stage in range(4):
+    SCENARIOS[f"requires_grad_at_initialize_direct_stage{_stage}"] = (
+        lambda rank, world, stage=_stage: requires_grad_changes(rank, world, make_adamw, stage, "before_forward", True))
 
 
 BODY = "transformer.h.0"

@@ -80,8 +80,10 @@ def test_param_groups_with_the_cpu_adam_in_bf16(res, stage):
 
 
 @pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("when", ["before_forward", "after_steps"])
+@pytest.mark.parametrize("when", ["before_forward", "after_steps", "at_initialize_direct"])
 def test_a_parameter_frozen_after_initialize_is_not_stepped(res, when, stage):
+    """at_initialize_direct: frozen before initialize, the wrapped model called, not the engine;
+    unfrozen after 2 steps, it trains from then on."""
     r, _ = res
     assert ok(r, f"requires_grad_{when}_stage{stage}")["diff"] <= TOL["adamw"]
 

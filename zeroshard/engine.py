@@ -73,6 +73,9 @@ class Engine(EngineIO):
             installed.hooks, installed.loading, installed.arrivals, installed.saved
         self._grad_arrived_hook = on.grad_arrived
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
+        # the model called directly, not through the engine, follows unfreezing too (first: a unit's
+        # own pre-hook must see the chunks as thawed)
+        module.register_forward_pre_hook(_on_direct_call(weak_method(self._direct_call)), prepend=True)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
         if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
@@ -202,6 +205,12 @@ class Engine(EngineIO):
         for p in new:
             p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
         self._unhooked = [p for p in self._unhooked if not p.requires_grad]
+
+    def _direct_call(self) -> None:
+        """The wrapped model called as itself (`model(x)`, not `engine(x)`) where gradients are
+        recorded: parameters unfrozen since follow into training, as they do through the engine."""
+        if self.phase is TrainingPhase.IDLE and torch.is_grad_enabled() and self._unhooked:
+            self._follow_requires_grad()
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
         """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
@@ -399,3 +408,7 @@ class Engine(EngineIO):
 
     def eval(self) -> "Engine":
         return self.train(False)
+
+
+def _on_direct_call(direct_call):
+    return lambda module, args: direct_call()
