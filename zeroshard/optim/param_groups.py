@@ -67,9 +67,9 @@ class ParamGroups:
         only they get the state the optimizer makes when built (Adagrad's accumulator). Groups the
         user added since the last assign (`add_param_group`) are taken first (take_added): their
         parameters' pieces join them, new as well."""
-        joined = self.take_added(opt) if self.added(opt) else set()
-        if joined:
-            new = list(new or ()) + [pc for pc in pieces if id(pc.slot.param) in joined]
+        taken = self.take_added(opt) if self.added(opt) else set()
+        if taken:
+            new = list(new or ()) + [pc for pc in pieces if id(pc.slot.param) in taken]
         groups = [[] for _ in opt.param_groups]
         for pc in pieces:
             g = self.group_of.get(id(pc.slot.param), self.default_group)
@@ -95,7 +95,6 @@ class ParamGroups:
         elif self.state_at_build:
             joined = {id(pc.param) for pc in new}
             opt.state.update(state_at_build(opt, [[p for p in ps if id(p) in joined] for ps in groups]))
-
 
     def added(self, opt: torch.optim.Optimizer) -> bool:
         """The user added param groups since the last assign (`optimizer.add_param_group`)."""
