@@ -44,13 +44,12 @@ class Engine(EngineIO):
         self.module = module
         refuse_untrainable(module)
         world = join_world(module, config, device)
-        refuse_forward_writes(module, config.stage if isinstance(config.stage, int) else None, world.comm.world)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
         self.shards = world.shards
         self.transfer = world.transfer
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
-        refuse_forward_writes(module, config.stage, world.comm.world)  # a stage 'auto' chose
+        refuse_forward_writes(module, config.stage, world.comm.world)  # the stage, once 'auto' chose it
         world = compile_units(module, config, world, planned)
         self.leaves = world.leaves
         self.zeroshard_config = config  # not `config`: that name falls through to the model's (HF's config)
@@ -75,7 +74,7 @@ class Engine(EngineIO):
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
         # the model called directly, not through the engine, follows unfreezing too (first: a unit's
         # own pre-hook must see the chunks as thawed)
-        module.register_forward_pre_hook(_on_direct_call(weak_method(self._direct_call)), prepend=True)
+        module.register_forward_pre_hook(weak_method(self._direct_call), prepend=True)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
         if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
@@ -206,9 +205,10 @@ class Engine(EngineIO):
             p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
         self._unhooked = [p for p in self._unhooked if not p.requires_grad]
 
-    def _direct_call(self) -> None:
-        """The wrapped model called as itself (`model(x)`, not `engine(x)`) where gradients are
-        recorded: parameters unfrozen since follow into training, as they do through the engine."""
+    def _direct_call(self, module: nn.Module, args) -> None:
+        """The root's forward pre-hook: the wrapped model called as itself (`model(x)`, not
+        `engine(x)`) where gradients are recorded: parameters unfrozen since follow into training,
+        as they do through the engine."""
         if self.phase is TrainingPhase.IDLE and torch.is_grad_enabled() and self._unhooked:
             self._follow_requires_grad()
 
@@ -408,7 +408,3 @@ class Engine(EngineIO):
 
     def eval(self) -> "Engine":
         return self.train(False)
-
-
-def _on_direct_call(direct_call):
-    return lambda module, args: direct_call()

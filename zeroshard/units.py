@@ -222,7 +222,7 @@ def refuse_untrainable(module: nn.Module) -> None:
                                     "values and flat gradients): " + "; ".join(found))
 
 
-def refuse_forward_writes(module: nn.Module, stage: int | None, world: int) -> None:
+def refuse_forward_writes(module: nn.Module, stage: int, world: int) -> None:
     """UnsupportedModelError, naming each, for a module that writes into its own weight inside its
     forward where zeroshard would lose the write or apply it on one rank only: an nn.Embedding or
     nn.EmbeddingBag built with max_norm renormalizes, in place, the rows its batch looks up. Each
@@ -230,10 +230,9 @@ def refuse_forward_writes(module: nn.Module, stage: int | None, world: int) -> N
     its own batch's renormalized rows (DDP's replicas drift apart the same way), where plain
     PyTorch on the global batch renormalizes every row any rank looked up; at stage 3 the rows are
     written into the gathered copy of the chunk, which is dropped at its release. At a world size of
-    1, stages 0-2 keep the write, as torch does. `stage` None: not chosen yet (config stage
-    'auto'), refused only above a world size of 1. The same model and config on every rank: every
+    1, stages 0-2 keep the write, as torch does. The same model and config on every rank: every
     rank raises."""
-    if world == 1 and (stage is None or stage < 3):
+    if world == 1 and stage < 3:
         return
     found = [f"{name!r} ({type(m).__name__}(max_norm={m.max_norm}))" for name, m in module.named_modules()
              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]

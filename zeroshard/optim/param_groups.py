@@ -19,7 +19,7 @@ import inspect
 import torch
 
 from ..errors import FrozenParameterError
-from ..runtime.placeholder import ShardedPlaceholder
+from ..runtime.placeholder import real_parameter
 
 
 class ParamGroups:
@@ -108,9 +108,7 @@ class ParamGroups:
         the earlier groups hold master pieces, not the parameters)."""
         joined = {}
         for i in range(self.known_groups, len(opt.param_groups)):
-            for p in opt.param_groups[i]["params"]:
-                if isinstance(p, ShardedPlaceholder) and p._zs_param is not None:  # stage 3's stand-in
-                    p = p._zs_param
+            for p in map(real_parameter, opt.param_groups[i]["params"]):
                 if id(p) not in self.names:
                     raise ValueError(f"zeroshard: optimizer.add_param_group was given a tensor of shape "
                                      f"{tuple(p.shape)} that is not a parameter of the model")

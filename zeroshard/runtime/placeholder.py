@@ -42,6 +42,12 @@ def _unchanged(func, args, kwargs) -> bool:
     return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype)
 
 
+def real_parameter(t: torch.Tensor) -> torch.Tensor:
+    """The parameter `t` stands for: the real one behind a placeholder the hooks put in its entry,
+    else `t` itself (what a user's `model.parameters()` gives at stage 3 is a placeholder)."""
+    return t._zs_param if isinstance(t, ShardedPlaceholder) and t._zs_param is not None else t
+
+
 class ShardedPlaceholder(torch.Tensor):
     """Occupies a module's parameter entry while stage 3 holds that parameter sharded."""
 
