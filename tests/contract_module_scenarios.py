@@ -5,14 +5,13 @@ within an accumulation window.
 """
 from __future__ import annotations
 
-import tempfile
 
 import torch
 
 import zeroshard
 from zeroshard.telemetry.stats import chunk_state_bytes
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import every_rank
+from distributed import every_rank, shared_temp_dir
 from models import batches, inputs, make_sgd, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
@@ -153,7 +152,7 @@ def module_api(rank, world, stage):
     after = engine.full_state_dict()
     out = {"frozen_kept": torch.equal(before["transformer.h.0.mlp.c_fc.weight"], after["transformer.h.0.mlp.c_fc.weight"]),
            "others_moved": not torch.equal(before["lm_head.weight"], after["lm_head.weight"])}
-    root = every_rank(tempfile.mkdtemp() if rank == 0 else None)[0]
+    root = shared_temp_dir()
     with engine.full_parameters():
         sd = model.state_dict()
         out["state_dict_equal"] = max_diff({k: v for k, v in sd.items()}, after) == 0.0

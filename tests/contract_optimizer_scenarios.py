@@ -8,7 +8,7 @@ import torch
 
 import zeroshard
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import error_on_every_rank
+from distributed import error_on_every_rank, shared_temp_dir
 from models import batches, inputs, make_adamw, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
@@ -165,15 +165,30 @@ def added_param_group(rank, world, stage, frozen_at_initialize: bool):
         loss_of(ref, step.reshape(-1, step.shape[-1])).backward()
         ref_opt.step()
         ref.zero_grad(set_to_none=True)  # every gradient, as the engine's step clears them
+    cfg = {"stage": stage, "chunk_size": 20000}
     model = tiny_gpt2()
-    engine = zeroshard.initialize(model, build(model), {"stage": stage, "chunk_size": 20000})
+    engine = zeroshard.initialize(model, build(model), cfg)
+    root = shared_temp_dir()
     for k, step in enumerate(data):
         if k == 2:
             join(model, engine.optimizer)
+        if k == len(data) - 1:
+            engine.save_checkpoint(root, tag="added")
         engine.backward(loss_of(engine, step[0, rank]))
         engine.step()
     out = {"diff": max_diff(engine.full_state_dict(), ref.state_dict()),
            "lrs": [g["lr"] for g in engine.optimizer.param_groups]}
+    # Resuming: as in torch, the group is added again before the optimizer's state is loaded.
+    resumed = tiny_gpt2(seed=7)
+    again = zeroshard.initialize(resumed, build(resumed), cfg)
+    join(resumed, again.optimizer)
+    again.load_checkpoint(root, tag="added")
+    again.backward(loss_of(again, data[-1][0, rank]))
+    again.step()
+    out["resumed_diff"] = max_diff(again.full_state_dict(), engine.full_state_dict())
+    unjoined = tiny_gpt2(seed=7)
+    out["not_added"] = error_on_every_rank(
+        lambda: zeroshard.initialize(unjoined, build(unjoined), cfg).load_checkpoint(root, tag="added"))
     engine.optimizer.add_param_group({"params": [model.get_parameter("lm_head.weight")], "lr": 1.0})
     out["twice"] = error_on_every_rank(lambda: (engine.backward(loss_of(engine, data[0, 0, rank])), engine.step()))
     return out

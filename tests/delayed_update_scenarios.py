@@ -5,12 +5,11 @@ in the background step.
 from __future__ import annotations
 
 import shutil
-import tempfile
 
 import torch
 
 import zeroshard
-from distributed import every_rank
+from distributed import every_rank, shared_temp_dir
 from models import batches, delayed_reference, make_adamw, make_sgd, max_diff, reference, tiny_gpt2
 
 SCENARIOS = {}
@@ -64,8 +63,7 @@ def delayed_checkpoint_resume(rank, world):
     continues exactly as the run that saved it."""
     data = batches(6, world, 2)
     cfg = {"stage": 2, "chunk_size": 20000, "offload_optimizer": True, "delay_update_after": 1}
-    root = tempfile.mkdtemp() if rank == 0 else None
-    root = every_rank(root)[0]
+    root = shared_temp_dir()
     whole = zeroshard.initialize(tiny_gpt2(), make_adamw, cfg)
     _train_delayed(whole, data, rank, 0.9, save=(2, root))
     resumed = zeroshard.initialize(tiny_gpt2(), make_adamw, {**cfg, "stage": 3})

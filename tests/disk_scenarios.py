@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 import zeroshard
-from distributed import WorldResults, error_on_every_rank, every_rank, record
+from distributed import WorldResults, error_on_every_rank, every_rank, record, shared_temp_dir
 from models import batches, digest, make_adamw, make_sgd, max_diff, reference, tiny_gpt2, train
 
 CASES = {  # name: (precision, optimizer, extra config)
@@ -209,11 +209,6 @@ def disk_load_state_dict_midway(rank, world):
             "masters": out["masters"]}
 
 
-def _shared_root(rank, world) -> str:
-    root = tempfile.mkdtemp(prefix="zeroshard-ckpt-") if rank == 0 else None
-    return every_rank(root)[0]
-
-
 @scenario
 def disk_checkpoint_round_trips(rank, world):
     """Saved by a disk-tier run after 2 of 4 steps, loaded by a disk-tier, a host-tier and a
@@ -221,7 +216,7 @@ def disk_checkpoint_round_trips(rank, world):
     run. And back: a host-tier checkpoint loaded by a disk-tier run."""
     data = batches(4, world, 1)
     cfg = {"stage": 2, "chunk_size": 20000}
-    root = _shared_root(rank, world)
+    root = shared_temp_dir("zeroshard-ckpt-")
     whole = zeroshard.initialize(tiny_gpt2(), make_adamw, disk(cfg))
     train(whole, data[:2], rank)
     whole.save_checkpoint(root, tag="from_disk")
@@ -258,7 +253,7 @@ def _fault(rank, world, harm, cfg=None, tiered=disk, again=lambda engine, x: eng
     a second step: what each rank raised, what `again(engine, tokens)` raises after it, and whether
     the checkpoint still loads as it was saved (into a `cfg` run, without the tier)."""
     data = batches(2, world, 1)
-    root = _shared_root(rank, world)
+    root = shared_temp_dir("zeroshard-ckpt-")
     cfg = cfg or {"stage": 2, "chunk_size": 20000}
     engine = zeroshard.initialize(tiny_gpt2(), make_adamw, tiered(cfg))
     train(engine, data[:1], rank)
@@ -285,7 +280,7 @@ def disk_full_during_save(rank, world):
     import resource
     import signal
     data = batches(3, world, 1)
-    root = _shared_root(rank, world)
+    root = shared_temp_dir("zeroshard-ckpt-")
     cfg = {"stage": 2, "chunk_size": 20000}
     host = zeroshard.initialize(tiny_gpt2(), make_adamw, {**cfg, "offload_optimizer": True})
     train(host, data, rank)

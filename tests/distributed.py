@@ -73,6 +73,14 @@ def every_rank(value) -> list:
     return out
 
 
+def shared_temp_dir(prefix: str = "zeroshard-") -> str:
+    """Inside a spawned rank: a new temporary directory made by rank 0, its path on every rank."""
+    import tempfile
+    import torch.distributed as dist
+    made = tempfile.mkdtemp(prefix=prefix) if not dist.is_initialized() or dist.get_rank() == 0 else None
+    return every_rank(made)[0]
+
+
 def record(rank: int, out_path: str, calls, traceback_limit: int = -4) -> None:
     """Inside a spawned rank: run each of `calls` ({name: callable}, or (name, callable) pairs) in
     turn, recording what it returned, or the error it raised ({"error", "traceback"}: the test of

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 
 import zeroshard
-from distributed import error_on_every_rank, every_rank
+from distributed import error_on_every_rank, every_rank, shared_temp_dir
 from models import make_sgd, max_diff, tiny_gpt2
 from scenarios import run_all
 
@@ -32,7 +31,7 @@ def place(name: str) -> str:
         if not dist.is_initialized():  # every_rank needs the group the first initialize would make
             import datetime
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        _ROOT["dir"] = every_rank(tempfile.mkdtemp() if int(os.environ["RANK"]) == 0 else None)[0]
+        _ROOT["dir"] = shared_temp_dir()
     return os.path.join(_ROOT["dir"], name)
 
 

@@ -6,12 +6,11 @@ unfreezing and LoRA through peft, against single-process PyTorch on the global b
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 
 import zeroshard
-from distributed import every_rank
+from distributed import shared_temp_dir
 from models import batches, make_adamw, make_sgd, max_diff, tiny_gpt2
 from scenarios import run_all
 
@@ -92,7 +91,7 @@ def unfreeze_then_resume(rank, world, stage):
     optimizer states come back and training continues as if uninterrupted."""
     data = batches(STEPS, world, 2)
     ref = unfreeze_reference(make_adamw, data)
-    root = every_rank(tempfile.mkdtemp() if rank == 0 else None)[0]
+    root = shared_temp_dir()
 
     def engine_of():
         model, params = frozen_model()
@@ -183,7 +182,7 @@ def lora(rank, world, stage):
            "grad_bytes": by_kind.get("grads", 0), "optimizer_bytes": by_kind.get("optimizer", 0),
            "trainable_chunk_numel": sum(c.padded_numel for c in engine.chunks if c.trainable),
            "frozen_chunk_numel": sum(c.padded_numel for c in engine.chunks if not c.trainable)}
-    path = every_rank(tempfile.mkdtemp() if rank == 0 else None)[0]
+    path = shared_temp_dir()
     engine.save_pretrained(path)
     if rank == 0:
         import transformers

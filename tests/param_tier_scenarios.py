@@ -13,8 +13,8 @@ import torch
 
 import zeroshard
 from disk_scenarios import _fault as disk_fault
-from disk_scenarios import CASES, _OsWith, _shared_root, disk, disk_files_removed_with_the_engine, repacked_and_thawed
-from distributed import WorldResults, every_rank, record
+from disk_scenarios import CASES, _OsWith, disk, disk_files_removed_with_the_engine, repacked_and_thawed
+from distributed import WorldResults, every_rank, record, shared_temp_dir
 from models import batches, digest, make_adamw, max_diff, tiny_gpt2, train
 
 SCENARIOS = {}
@@ -100,7 +100,7 @@ def pdisk_checkpoint_round_trips(rank, world):
     the uninterrupted run. And back: a host-tier checkpoint loaded with the shards on disk."""
     data = batches(4, world, 1)
     cfg = {"stage": 3, "chunk_size": 20000}
-    root = _shared_root(rank, world)
+    root = shared_temp_dir("zeroshard-ckpt-")
     whole = zeroshard.initialize(_frozen_wpe(), make_adamw, params_disk(cfg))
     train(whole, data[:2], rank)
     whole.save_checkpoint(root, tag="from_disk")

@@ -4,14 +4,13 @@ gradients, optimizers and param groups.
 """
 from __future__ import annotations
 
-import tempfile
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard
-from distributed import every_rank
+from distributed import every_rank, shared_temp_dir
 from models import inputs, max_diff, parity
 from peer_common import FourLayers, adam, mlp, per_stage, seeded, sgd
 
@@ -319,7 +318,7 @@ def sgd_groups_through_a_checkpoint(rank, world, stage):
     m = build()
     whole = zeroshard.initialize(m, opt_of(m), {"stage": stage, "chunk_size": 64})
     train(whole, data)
-    root = every_rank(tempfile.mkdtemp() if rank == 0 else None)[0]
+    root = shared_temp_dir()
     m = build()
     first = zeroshard.initialize(m, opt_of(m), {"stage": stage, "chunk_size": 64})
     train(first, data[:2])

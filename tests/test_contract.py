@@ -243,9 +243,15 @@ def test_a_weight_written_inside_the_forward_is_refused_where_it_would_be_lost(r
 def test_a_param_group_added_after_initialize_trains_in_it(res, form, stage):
     """optimizer.add_param_group after 2 steps, of a block unfrozen then (or trained in no group
     until then), with its own learning rate: AdamW tolerance against torch; a parameter already in
-    a group, added again: ValueError on every rank."""
+    a group, added again: ValueError on every rank. A checkpoint saved after the group was added
+    resumes exactly where the group is added again before loading (as torch needs), and raises
+    CheckpointError on every rank where it is not."""
     r, world = res
     got = ok(r, f"added_param_group_{form}_stage{stage}")
     assert got["diff"] <= TOL["adamw"] and got["lrs"] == [1e-3, 3e-3]
     assert len(got["twice"]) == world and all(
         e.startswith("ValueError: zeroshard: optimizer.add_param_group was given parameter ") for e in got["twice"])
+    assert got["resumed_diff"] == 0.0  # the group's state and lr came back with the checkpoint
+    assert len(got["not_added"]) == world and all(
+        e.startswith("CheckpointError: zeroshard: the checkpoint's optimizer has 2 parameter groups, this one 1")
+        for e in got["not_added"])

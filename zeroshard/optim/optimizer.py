@@ -157,11 +157,20 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             if c.tier is not None:
                 c.tier.adopt(c)
 
-    def _take_added_groups(self) -> None:
+    @property
+    def has_added_groups(self) -> bool:
+        """The user added param groups (`optimizer.add_param_group`) that take_added_groups has not
+        taken yet."""
+        return self.groups.added(self.optimizer)
+
+    def take_added_groups(self) -> None:
         """Groups the user added with `optimizer.add_param_group` since the optimizer was bound
         (a body unfrozen with its own learning rate): their parameters' master pieces step in them
-        from this step on, starting with no state, as torch starts them. A parameter frozen at
-        initialize joins once unfrozen (adopt), its chunk being frozen until then."""
+        from the next step on, starting with no state, as torch starts them (or with a
+        checkpoint's, loaded after this). A parameter frozen at initialize joins once unfrozen
+        (adopt), its chunk being frozen until then. No delayed update may be in flight."""
+        if self.update is not UpdateState.IDLE:
+            raise RuntimeError("zeroshard: land the delayed update before taking added param groups")
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces], new=[])
         self._build_tiles(self.optimizer)
 
@@ -180,14 +189,14 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it.
         Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
         in the background is counted in `skipped_steps` when it lands)."""
-        if self.groups.added(self.optimizer) and self.update is UpdateState.IDLE:
-            self._take_added_groups()
+        if self.has_added_groups and self.update is UpdateState.IDLE:
+            self.take_added_groups()
         self.boundaries += 1
         self.update_agreed = False  # a delayed update's (below) is agreed when it lands
         if self.delay_after is not None and self.boundaries > self.delay_after:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
-            if self.groups.added(self.optimizer):
-                self._take_added_groups()
+            if self.has_added_groups:
+                self.take_added_groups()
             self._launch()
             return True
         self._writes.carry()

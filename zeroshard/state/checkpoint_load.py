@@ -84,6 +84,10 @@ def _load_version(view, found: str, load_optimizer: bool, t0: float) -> dict:
     # A parameter frozen at initialize whose optimizer state the checkpoint holds (unfrozen before
     # the save): its chunk becomes trainable, so the state has somewhere to go.
     view.thaw(frozenset(kinds))
+    # Groups added since the last step (as torch needs them added before its load_state_dict)
+    # hold the model's parameters until taken: taken now, their pieces get the saved state.
+    if view.optim.has_added_groups:
+        view.optim.take_added_groups()
     saved = SafeReader(found).read_metadata().state_dict_metadata
     small = _small_state(view, kinds, meta, saved)
     dcp_load(small, found, comm)
