@@ -4,11 +4,13 @@ skip, and a loss that does not come from the engine's forward.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import zeroshard
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import error_on_every_rank, shared_temp_dir
+from distributed import error_on_every_rank, every_rank, shared_temp_dir
 from models import batches, inputs, make_adamw, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
@@ -243,3 +245,84 @@ def loss_from_another_model(rank, world, make_opt, stage):
 
 
 per_optimizer_and_stage(SCENARIOS, "loss_from_another_model", loss_from_another_model)
+
+
+class OutOfOrder(torch.nn.Module):
+    """Three equal layers registered in another order than the forward uses them: chunks pack them
+    in the order of use, so a state listed by pieces and read in torch's order (the parameters' own)
+    would silently give each layer another's Adam moments."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.last, self.first, self.mid = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.last(torch.tanh(self.mid(torch.tanh(self.first(x)))))
+
+
+def _mse(model, x):
+    return model(x[..., :16]).sub(x[..., 16:]).pow(2).mean()
+
+
+def optimizer_state_dicts(rank, world, stage):
+    """optimizer.state_dict() and load_state_dict() as a custom loop calls them:
+    - a plain torch run's state (2 AdamW steps on the global batch) and model, loaded into a new
+      engine before its first forward, trains on as the plain run does;
+    - each rank's own optimizer.state_dict() loads back into a new engine of the same layout (the
+      same bytes as the engine it came from: the dicts are in memory);
+    - rank 0's dict loaded on every rank: what DDP code does; at stage >= 1 above a world of 1 it
+      holds rank 0's shard only: CheckpointError on every rank;
+    - at stage 0 (and at a world of 1) the engine's dict is torch's own format: a plain torch
+      optimizer loads it and trains on as the engine does."""
+    cfg = {"stage": stage, "chunk_size": 300}
+    data = inputs(4, world, 3, 32)
+    ref, out = OutOfOrder(), {}
+    ref_opt = make_adamw(list(ref.parameters()))
+    for k, step in enumerate(data):
+        if k == 2:
+            plain = copy.deepcopy({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()})
+        _mse(ref, step.reshape(-1, 32)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def engine_from(state, opt_state):
+        model = OutOfOrder()
+        engine = zeroshard.initialize(model, make_adamw(list(model.parameters())), cfg)
+        model.load_state_dict(state)
+        engine.optimizer.load_state_dict(opt_state)
+        return engine
+
+    def train(engine, steps):
+        for step in steps:
+            engine.backward(_mse(engine, step[rank]))
+            engine.step()
+        return engine
+
+    out["plain"] = max_diff(train(engine_from(plain["model"], plain["optimizer"]), data[2:]).full_state_dict(),
+                            ref.state_dict())
+    model = OutOfOrder()
+    straight = train(zeroshard.initialize(model, make_adamw(list(model.parameters())), cfg), data[:2])
+    saved = copy.deepcopy({"model": straight.full_state_dict(), "optimizer": straight.optimizer.state_dict()})
+    train(straight, data[2:])
+    out["own"] = max_diff(train(engine_from(saved["model"], saved["optimizer"]), data[2:]).full_state_dict(),
+                          straight.full_state_dict())
+    out["torch_format"] = "zeroshard" not in saved["optimizer"]
+    first = every_rank(saved)[0]
+    out["rank0"] = error_on_every_rank(lambda: engine_from(first["model"], first["optimizer"]))
+    if out["torch_format"]:
+        torch_model = OutOfOrder()
+        torch_model.load_state_dict(saved["model"])
+        torch_opt = make_adamw(list(torch_model.parameters()))
+        torch_opt.load_state_dict(saved["optimizer"])
+        for step in data[2:]:
+            _mse(torch_model, step.reshape(-1, 32)).backward()
+            torch_opt.step()
+            torch_opt.zero_grad()
+        out["into_torch"] = max_diff(torch_model.state_dict(), straight.full_state_dict())
+    return out
+
+
+for _stage in range(4):
+    SCENARIOS[f"optimizer_state_dicts_stage{_stage}"] = (
+        lambda rank, world, stage=_stage: optimizer_state_dicts(rank, world, stage))

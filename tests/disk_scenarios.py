@@ -242,6 +242,8 @@ def disk_checkpoint_round_trips(rank, world):
     train(e, data[2:], rank)
     out["reload"] = max_diff(want, e.full_state_dict())
     out["optimizer_state_dict"] = error_on_every_rank(lambda: e.optimizer.state_dict())[rank]
+    out["optimizer_load_state_dict"] = error_on_every_rank(
+        lambda: e.optimizer.load_state_dict({"state": {}, "param_groups": e.optimizer.param_groups}))[rank]
     every_rank(None)
     if rank == 0:
         shutil.rmtree(root)

@@ -255,3 +255,22 @@ def test_a_param_group_added_after_initialize_trains_in_it(res, form, stage):
     assert len(got["not_added"]) == world and all(
         e.startswith("CheckpointError: zeroshard: the checkpoint's optimizer has 2 parameter groups, this one 1")
         for e in got["not_added"])
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_optimizer_state_dicts_load_as_in_torch(res, stage):
+    """optimizer.state_dict()/load_state_dict() from a custom loop, on a model whose layers are
+    used in another order than registered: a plain torch run's state resumes at every stage (AdamW
+    tolerance); a rank's own dict resumes bit for bit; where every rank steps whole parameters
+    (stage 0, a world of 1) the dict is torch's format, which every rank and plain torch load;
+    otherwise rank 0's dict on every rank raises CheckpointError on every rank."""
+    r, world = res
+    got = ok(r, f"optimizer_state_dicts_stage{stage}")
+    assert got["plain"] <= TOL["adamw"] and got["own"] == 0.0
+    whole = stage == 0 or world == 1
+    assert got["torch_format"] == whole
+    if whole:
+        assert got["rank0"] == ["no error"] * world and got["into_torch"] <= TOL["adamw"]
+    else:
+        assert len(got["rank0"]) == world and all(
+            e.startswith("CheckpointError: ") and "holds no state for elements" in e for e in got["rank0"]), got["rank0"]

@@ -62,6 +62,7 @@ class Engine(EngineIO):
         self.layout, self.cache, self.reducer, self.scaler, self.optim = \
             parts.layout, parts.cache, parts.reducer, parts.scaler, parts.optim
         pack(parts, model, start, planned, world)
+        self.optim.on_state_load(weak_method(self._before_optimizer_load))
         del start  # the weights' reader and any values it held: free before the hooks go on
         # The hooks live on the module and in autograd: they call the engine through weak methods,
         # so a dropped engine does not live on in them.

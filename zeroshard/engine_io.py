@@ -54,6 +54,14 @@ class EngineIO:
         self.optim.land()
         self._settle()
 
+    def _before_optimizer_load(self) -> None:
+        """The user's optimizer.load_state_dict is about to load a state (optim/state_dicts.py): the
+        update in flight lands first, and the chunk layout stays as it is (a re-pack at the first
+        forward would leave the loaded state with the old pieces)."""
+        self._expect_idle("optimizer.load_state_dict")
+        self.apply_delayed_update()
+        self.fix_layout()
+
     def _before_load(self) -> bool:
         """model.load_state_dict is about to write parameters (module_state.py): whether its hooks
         should write the chunks (not inside full_parameters(), whose exit writes them back)."""

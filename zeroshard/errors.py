@@ -76,7 +76,9 @@ class WeightsError(ZeroShardError, RuntimeError):
 
 
 class CheckpointError(ZeroShardError, RuntimeError):
-    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model."""
+    """A checkpoint that cannot be saved or loaded: missing, damaged, or of another model; also an
+    optimizer state dict that `optimizer.load_state_dict` cannot give this rank's pieces (another
+    rank's shard, another optimizer's groups)."""
 
 
 class TierFileError(ZeroShardError, OSError):

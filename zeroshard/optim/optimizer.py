@@ -45,6 +45,7 @@ from .grad_agreement import agree_grads, replicated_grads, scale_in_place, start
 from .loss_scale import LossScaler
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
+from .state_dicts import StateDicts
 from .tiered_states import TieredStates, agree_on_tier, state_bytes_by_side
 from .tiled_step import TiledStep
 from .user_writes import UserWrites
@@ -105,6 +106,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         self._state_bytes_key, self._state_bytes = None, None  # state_bytes' last count, and what it counted
         self.tier = tier
         self._tiered = TieredStates(tier, lambda: self.optimizer) if tier is not None else None
+        self._state_dicts = None  # the hooks translating optimizer.state_dict() (state_dicts.py)
+        self._before_state_load = lambda: None
 
     def attach(self, chunks) -> None:
         """(Re)bind the optimizer to the trainable chunks' master pieces, each in the param group of
@@ -117,6 +120,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             self.optimizer = self.groups.build(pieces)
             if self._tiered is not None:
                 self._tiered.guard(self.optimizer)
+            self._state_dicts = StateDicts(self.optimizer, lambda: self.chunks, self.groups, self.comm,
+                                           lambda: self._before_state_load(), tiered=self.tier is not None)
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
@@ -156,6 +161,14 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         for c in thawed:
             if c.tier is not None:
                 c.tier.adopt(c)
+
+    def on_state_load(self, before) -> None:
+        """Call `before()` whenever the user's optimizer.load_state_dict is about to load a state."""
+        self._before_state_load = before
+
+    def own_load(self):
+        """A context for zeroshard's own optimizer.load_state_dict calls (state_dicts.py)."""
+        return self._state_dicts.own_load() if self._state_dicts is not None else contextlib.nullcontext()
 
     @property
     def has_added_groups(self) -> bool:

@@ -35,6 +35,10 @@ class ParamGroups:
         self.state_at_build = False  # the optimizer made state when it was built (Adagrad)
         self._by_position = False  # a callable split the tensors it was handed into several groups
         self.known_groups = 0  # the optimizer's groups at the last assign: more are the user's add_param_group
+        # Per group, the model parameters (ids) in the order a plain torch optimizer over them lists
+        # them: torch's own state_dict format (state_dicts.py). A callable handed pieces saw no such
+        # order: its groups take the model's.
+        self.user_order: list[list[int]] = []
 
     def build(self, pieces) -> torch.optim.Optimizer:
         """The optimizer to step `pieces` (this rank's master pieces) with, and each parameter's group."""
@@ -57,6 +61,10 @@ class ParamGroups:
                 self._by_position = len(opt.param_groups) > 1
             else:  # built from the model's own parameters
                 self.group_of = owned_groups(opt, self.names)
+        if self.group_of and all(id(p) in self.names for g in opt.param_groups for p in g["params"]):
+            self.user_order = [[id(p) for p in g["params"]] for g in opt.param_groups]
+        else:
+            self.user_order = [[k for k in self.names if self.group_of.get(k) == i] for i in range(len(opt.param_groups))]
         self.state_at_build = bool(opt.state)
         self.known_groups = len(opt.param_groups)
         return opt
@@ -117,6 +125,7 @@ class ParamGroups:
                                      f"{self.names[id(p)]}, which is already in a param group")
                 joined[id(p)] = i
         self.group_of.update(joined)
+        self.user_order += [[k for k, g in joined.items() if g == i] for i in range(self.known_groups, len(opt.param_groups))]
         return set(joined)
 
 

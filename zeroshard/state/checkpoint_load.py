@@ -273,7 +273,8 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
     for g in opt.param_groups:
         current.append({**{k: v for k, v in g.items() if k != "params"}, "params": [next(index_of) for _ in g["params"]]})
     if groups is None:
-        opt.load_state_dict({"state": {}, "param_groups": current})
+        with view.optim.own_load():
+            opt.load_state_dict({"state": {}, "param_groups": current})
         return
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     loaded, tier_held = {}, []
@@ -285,7 +286,8 @@ def _apply(view, opt_state: dict, small: dict, groups) -> None:
                                                for k, v in states.items() if v is None or not v.is_meta}
                 tier_held += [(pc.param, k, v) for k, v in states.items() if v is not None and v.is_meta]
     # The saved hyperparameters (a schedule's lr, ...) of every key this optimizer knows.
-    opt.load_state_dict({"state": loaded, "param_groups": [{**cur, **{k: v for k, v in g.items() if k in cur}}
-                                                           for g, cur in zip(groups, current)]})
+    with view.optim.own_load():
+        opt.load_state_dict({"state": loaded, "param_groups": [{**cur, **{k: v for k, v in g.items() if k in cur}}
+                                                               for g, cur in zip(groups, current)]})
     for p, k, placeholder in tier_held:  # in the disk tier's records; torch's load would copy them
         opt.state[p][k] = placeholder
