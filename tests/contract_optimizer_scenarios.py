@@ -11,7 +11,7 @@ import torch
 import zeroshard
 from contract_common import loss_of, per_optimizer_and_stage
 from distributed import error_on_every_rank, every_rank, shared_temp_dir
-from models import batches, inputs, make_adamw, max_diff, parity, tiny_gpt2
+from models import batches, inputs, make_adamw, make_sgd, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
 
@@ -326,3 +326,47 @@ def optimizer_state_dicts(rank, world, stage):
 for _stage in range(4):
     SCENARIOS[f"optimizer_state_dicts_stage{_stage}"] = (
         lambda rank, world, stage=_stage: optimizer_state_dicts(rank, world, stage))
+
+
+def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
+    """The loop plain PyTorch code writes, unchanged but for initialize: `loss.backward();
+    optimizer.step(); scheduler.step(); optimizer.zero_grad()` on the user's own optimizer and the
+    wrapped model (it used to step nothing: the gradients live in the chunks, not in .grad). The
+    LR scheduler is built before initialize or after it (torch's scheduler wraps optimizer.step
+    either way). In step 1, optimizer.zero_grad() between two backwards drops the first, as in
+    torch. optimizer.step(closure) raises ValueError on every rank."""
+    data = batches(4, world, 2, accumulation=2)
+
+    def run(model, opt_of, x_of):
+        opt = sched = None
+        if scheduler_first:
+            opt = make_opt(list(model.parameters()))
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        model, opt = opt_of(model, opt)
+        sched = sched or torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for k, step in enumerate(data):
+            for m in ((0, 1) if k == 1 else (0,)):
+                if m == 1:
+                    opt.zero_grad()
+                loss_of(model, x_of(step[m])).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return model, opt
+
+    ref, _ = run(tiny_gpt2(), lambda m, o: (m, o or make_opt(list(m.parameters()))), lambda x: x.reshape(-1, x.shape[-1]))
+
+    def wrap(model, opt):
+        engine = zeroshard.initialize(model, opt or make_opt(list(model.parameters())), {"stage": stage, "chunk_size": 20000})
+        wrap.engine = engine
+        return model, engine.optimizer
+    model, opt = run(tiny_gpt2(), wrap, lambda x: x[rank])
+    return {"diff": max_diff(wrap.engine.full_state_dict(), ref.state_dict()), "steps": wrap.engine.steps,
+            "closure": error_on_every_rank(lambda: opt.step(lambda: 0.0))}
+
+
+for _stage in range(4):
+    SCENARIOS[f"plain_loop_sgd_stage{_stage}"] = (
+        lambda rank, world, stage=_stage: plain_loop(rank, world, stage, make_sgd, scheduler_first=True))
+    SCENARIOS[f"plain_loop_adamw_stage{_stage}"] = (
+        lambda rank, world, stage=_stage: plain_loop(rank, world, stage, make_adamw, scheduler_first=False))

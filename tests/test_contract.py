@@ -274,3 +274,16 @@ def test_optimizer_state_dicts_load_as_in_torch(res, stage):
     else:
         assert len(got["rank0"]) == world and all(
             e.startswith("CheckpointError: ") and "holds no state for elements" in e for e in got["rank0"]), got["rank0"]
+
+
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
+    """loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad() on the user's
+    optimizer trains what plain torch trains (the scheduler built before initialize with SGD,
+    after it with AdamW), zero_grad between backwards drops the first; a closure raises."""
+    r, world = res
+    got = ok(r, f"plain_loop_{opt}_stage{stage}")
+    assert got["diff"] <= TOL[opt] and got["steps"] == 4
+    assert len(got["closure"]) == world and all(e.startswith("ValueError: zeroshard: optimizer.step(closure)")
+                                                for e in got["closure"])

@@ -25,6 +25,7 @@ from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
 from .errors import ConfigError, invariant
+from .optim.user_calls import route_optimizer_calls
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
@@ -63,6 +64,9 @@ class Engine(EngineIO):
             parts.layout, parts.cache, parts.reducer, parts.scaler, parts.optim
         pack(parts, model, start, planned, world)
         self.optim.on_state_load(weak_method(self._before_optimizer_load))
+        # a plain loop's optimizer.step() / zero_grad() are the engine's (optim/user_calls.py)
+        route_optimizer_calls(self.optimizer, weak_method(self.step), weak_method(self.zero_grad),
+                              weak_method(self._stepping))
         del start  # the weights' reader and any values it held: free before the hooks go on
         # The hooks live on the module and in autograd: they call the engine through weak methods,
         # so a dropped engine does not live on in them.
@@ -393,6 +397,9 @@ class Engine(EngineIO):
         for hook in list(self._step_hooks.values()):
             hook(self, self.stats())
         return applied
+
+    def _stepping(self) -> bool:
+        return self.phase is TrainingPhase.STEP
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step, as optimizer.zero_grad() does in torch
