@@ -334,7 +334,8 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
     wrapped model (it used to step nothing: the gradients live in the chunks, not in .grad). The
     LR scheduler is built before initialize or after it (torch's scheduler wraps optimizer.step
     either way). In step 1, optimizer.zero_grad() between two backwards drops the first, as in
-    torch. optimizer.step(closure) raises ValueError on every rank."""
+    torch. optimizer.step(closure) raises ValueError on every rank, and torch's GradScaler (which
+    unscales .grad, where there is none) GradientsInChunksError."""
     data = batches(4, world, 2, accumulation=2)
 
     def run(model, opt_of, x_of):
@@ -361,8 +362,15 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
         wrap.engine = engine
         return model, engine.optimizer
     model, opt = run(tiny_gpt2(), wrap, lambda x: x[rank])
-    return {"diff": max_diff(wrap.engine.full_state_dict(), ref.state_dict()), "steps": wrap.engine.steps,
-            "closure": error_on_every_rank(lambda: opt.step(lambda: 0.0))}
+    out = {"diff": max_diff(wrap.engine.full_state_dict(), ref.state_dict()), "steps": wrap.engine.steps,
+           "closure": error_on_every_rank(lambda: opt.step(lambda: 0.0))}
+    scaler = torch.amp.GradScaler("cpu")
+
+    def scaled_step():
+        scaler.scale(loss_of(model, data[0][0][rank])).backward()
+        scaler.step(opt)
+    out["grad_scaler"] = error_on_every_rank(scaled_step)
+    return out
 
 
 for _stage in range(4):

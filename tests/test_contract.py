@@ -281,9 +281,12 @@ def test_optimizer_state_dicts_load_as_in_torch(res, stage):
 def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
     """loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad() on the user's
     optimizer trains what plain torch trains (the scheduler built before initialize with SGD,
-    after it with AdamW), zero_grad between backwards drops the first; a closure raises."""
+    after it with AdamW), zero_grad between backwards drops the first; a closure raises, and so
+    does torch's GradScaler, naming the config's fp16 loss scaling."""
     r, world = res
     got = ok(r, f"plain_loop_{opt}_stage{stage}")
     assert got["diff"] <= TOL[opt] and got["steps"] == 4
     assert len(got["closure"]) == world and all(e.startswith("ValueError: zeroshard: optimizer.step(closure)")
                                                 for e in got["closure"])
+    assert len(got["grad_scaler"]) == world and all(
+        e.startswith("GradientsInChunksError: zeroshard: torch.amp.GradScaler unscales") for e in got["grad_scaler"])
