@@ -120,19 +120,27 @@ def test_step_inside_backward_raises():
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_torch_clip_grad_norm_on_trained_parameters_raises(stage):
+@pytest.mark.parametrize("clip", [lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0),
+                                  lambda ps: torch.nn.utils.clip_grads_with_norm_(ps, 1.0, torch.tensor(2.0)),
+                                  lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.1)],
+                         ids=["clip_grad_norm_", "clip_grads_with_norm_", "clip_grad_value_"])
+def test_torch_gradient_clipping_on_trained_parameters_raises(stage, clip, request):
     """Issue 14, defect 9: torch.nn.utils.clip_grad_norm_(model.parameters()) between backward and
     step found no .grad (gradients live in the chunks) and silently clipped nothing at stages 0-2
-    (ShardedParameterError at stage 3). It raises GradientsInChunksError, naming the config key; on
-    other parameters it is torch's own."""
+    (ShardedParameterError at stage 3); so did clip_grads_with_norm_ and clip_grad_value_ (session
+    57). Each raises GradientsInChunksError, naming the config key; on other parameters it is
+    torch's own."""
+    name = request.node.callspec.id.split("-")[0]
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     engine = zeroshard.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {"stage": stage})
     engine.backward(engine(torch.ones(2, 4)).sum())
-    with pytest.raises(zeroshard.GradientsInChunksError, match="clip_grad_norm"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(zeroshard.GradientsInChunksError, match=f"torch.nn.utils.{name} was given .*clip_grad_norm"):
+        clip(model.parameters())
     other = torch.nn.Linear(2, 2)
     other(torch.ones(1, 2)).sum().backward()
-    assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0
+    before = other.weight.grad.clone()
+    clip(list(other.parameters()))
+    assert not torch.equal(other.weight.grad, before)  # torch's own clipping ran
     assert engine.step()
 
 
