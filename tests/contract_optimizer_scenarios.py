@@ -174,6 +174,8 @@ def added_param_group(rank, world, stage, frozen_at_initialize: bool):
     for k, step in enumerate(data):
         if k == 2:
             join(model, engine.optimizer)
+            # listed before the group's first step, and loaded back: nothing changes
+            engine.optimizer.load_state_dict(engine.optimizer.state_dict())
         if k == len(data) - 1:
             engine.save_checkpoint(root, tag="added")
         engine.backward(loss_of(engine, step[0, rank]))

@@ -121,7 +121,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             if self._tiered is not None:
                 self._tiered.guard(self.optimizer)
             self._state_dicts = StateDicts(self.optimizer, lambda: self.chunks, self.groups, self.comm,
-                                           lambda: self._before_state_load(), tiered=self.tier is not None)
+                                           lambda: self._before_state_load(), tiered=self.tier is not None,
+                                           before_save=self._take_groups_when_idle)
         elif self.applied_updates and self.optimizer.state:
             raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
@@ -170,6 +171,10 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         """A context for zeroshard's own optimizer.load_state_dict calls (state_dicts.py)."""
         return self._state_dicts.own_load() if self._state_dicts is not None else contextlib.nullcontext()
 
+    def _take_groups_when_idle(self) -> None:
+        if self.has_added_groups and self.update is UpdateState.IDLE:
+            self.take_added_groups()
+
     @property
     def has_added_groups(self) -> bool:
         """The user added param groups (`optimizer.add_param_group`) that take_added_groups has not
@@ -202,8 +207,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         """Run one optimizer step over the reduced gradients; False if fp16 overflow skipped it.
         Delayed: land the update in flight, launch this one, and return True (an fp16 overflow found
         in the background is counted in `skipped_steps` when it lands)."""
-        if self.has_added_groups and self.update is UpdateState.IDLE:
-            self.take_added_groups()
+        self._take_groups_when_idle()
         self.boundaries += 1
         self.update_agreed = False  # a delayed update's (below) is agreed when it lands
         if self.delay_after is not None and self.boundaries > self.delay_after:

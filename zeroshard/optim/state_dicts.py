@@ -33,12 +33,15 @@ class StateDicts:
     it steps; `groups`: ParamGroups (user_order, names); `comm`: the data-parallel group;
     `before_load()`: called before a state loads (the engine lands a delayed update and fixes its
     chunk layout, whose re-pack would otherwise drop the loaded state); `tiered`: a disk tier holds
-    the states (its records load through engine.load_checkpoint only)."""
+    the states (its records load through engine.load_checkpoint only); `before_save()`: called
+    before torch lists the state (groups added with add_param_group are taken first)."""
 
-    def __init__(self, opt: torch.optim.Optimizer, chunks, groups, comm, before_load, tiered: bool = False):
+    def __init__(self, opt: torch.optim.Optimizer, chunks, groups, comm, before_load, tiered: bool = False,
+                 before_save=lambda: None):
         self.chunks, self.groups, self.comm, self.before_load = chunks, groups, comm, before_load
         self.tiered = tiered  # the disk tier's records, not optimizer.state, hold states between steps
         self._own = False
+        opt.register_state_dict_pre_hook(lambda _: before_save())
         opt.register_state_dict_post_hook(self._saved)
         opt.register_load_state_dict_pre_hook(self._loading)
 
