@@ -212,8 +212,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         self.update_agreed = False  # a delayed update's (below) is agreed when it lands
         if self.delay_after is not None and self.boundaries > self.delay_after:
             self.land()  # if it raises, the engine drops this step's gradients with the rest
-            if self.has_added_groups:
-                self.take_added_groups()
+            self._take_groups_when_idle()
             self._launch()
             return True
         self._writes.carry()

@@ -45,8 +45,9 @@ class StateDicts:
         opt.register_state_dict_post_hook(self._saved)
         opt.register_load_state_dict_pre_hook(self._loading)
 
-    def pieces(self) -> list:
-        return [pc for c in self.chunks() for pc in c.pieces]
+    def _pieces_by_tensor(self) -> dict:
+        """id(the tensor the optimizer steps) -> its master piece, for this rank's pieces."""
+        return {id(pc.param): pc for c in self.chunks() for pc in c.pieces}
 
     @contextlib.contextmanager
     def own_load(self):
@@ -59,15 +60,14 @@ class StateDicts:
 
     def _ranges(self, opt) -> list[list]:
         """[parameter name, lo, hi] of each tensor `opt` steps, in its groups' order."""
-        of = {id(pc.param): pc for pc in self.pieces()}
-        return [[of[id(p)].slot.name, of[id(p)].lo - of[id(p)].slot.offset, of[id(p)].hi - of[id(p)].slot.offset]
-                for g in opt.param_groups for p in g["params"] if id(p) in of]
+        of = self._pieces_by_tensor()
+        return [list(_elements(of[id(p)])) for g in opt.param_groups for p in g["params"] if id(p) in of]
 
     def _whole(self, opt) -> list[list[int]] | None:
         """Per group, the index in `opt`'s own listing of each parameter in the user's order (None
         for a frozen one); None unless every piece is a whole parameter and this rank steps every
         trainable parameter of the groups."""
-        of = {id(pc.param): pc for pc in self.pieces()}
+        of = self._pieces_by_tensor()
         listed = [p for g in opt.param_groups for p in g["params"]]
         if len(self.groups.user_order) != len(opt.param_groups) or any(id(p) not in of for p in listed):
             return None
@@ -123,7 +123,7 @@ class StateDicts:
             raise CheckpointError(f"zeroshard: the optimizer state dict has {len(saved_groups)} param groups, this "
                                   f"optimizer {len(opt.param_groups)} (add the groups added since before loading)")
         held = self._held(saved_groups, sd.get(ENTRY))
-        of = {id(pc.param): pc for pc in self.pieces()}
+        of = self._pieces_by_tensor()
         state, groups, n = {}, [], 0
         for g, saved in zip(opt.param_groups, saved_groups):
             groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")},
@@ -133,7 +133,7 @@ class StateDicts:
                 if pc is None:  # the stand-in a callable is handed on a rank without pieces
                     n += 1
                     continue
-                name, lo, hi = pc.slot.name, pc.lo - pc.slot.offset, pc.hi - pc.slot.offset
+                name, lo, hi = _elements(pc)
                 ranges = held.get(name, [])
                 found = next(((i, a, b) for i, a, b in ranges if a <= lo and hi <= b), None)
                 if found is None:
@@ -180,6 +180,11 @@ class StateDicts:
         for i, (name, lo, hi) in held:
             out.setdefault(name, []).append((i, lo, hi))
         return out
+
+
+def _elements(pc) -> tuple[str, int, int]:
+    """(parameter name, lo, hi): the elements of its parameter that master piece `pc` holds."""
+    return pc.slot.name, pc.lo - pc.slot.offset, pc.hi - pc.slot.offset
 
 
 def _holds(ranges: list[tuple]) -> str:
