@@ -330,15 +330,22 @@ for _stage in range(4):
         lambda rank, world, stage=_stage: optimizer_state_dicts(rank, world, stage))
 
 
+CLIP_TO = 1.25  # plain_loop's max norm: below the first steps' gradient norms at every world size (1.1-2.4)
+
+
 def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
     """The loop plain PyTorch code writes, unchanged but for initialize: `loss.backward();
     optimizer.step(); scheduler.step(); optimizer.zero_grad()` on the user's own optimizer and the
     wrapped model (it used to step nothing: the gradients live in the chunks, not in .grad). The
     LR scheduler is built before initialize or after it (torch's scheduler wraps optimizer.step
     either way). In step 1, optimizer.zero_grad() between two backwards drops the first, as in
-    torch. optimizer.step(closure) raises ValueError on every rank, and torch's GradScaler (which
-    unscales .grad, where there is none) GradientsInChunksError."""
+    torch. torch.nn.utils.clip_grad_norm_ before the step clips as torch's does (it used to raise:
+    the gradients are not in .grad), given the model's parameters (SGD) or the optimizer's (AdamW,
+    which lists master pieces); its norms are torch's. optimizer.step(closure) raises ValueError on
+    every rank, and torch's GradScaler (which unscales .grad, where there is none)
+    GradientsInChunksError."""
     data = batches(4, world, 2, accumulation=2)
+    norms = []
 
     def run(model, opt_of, x_of):
         opt = sched = None
@@ -352,6 +359,8 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
                 if m == 1:
                     opt.zero_grad()
                 loss_of(model, x_of(step[m])).backward()
+            given = model.parameters() if make_opt is make_sgd else opt.param_groups[0]["params"]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(given, CLIP_TO)))
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -365,6 +374,7 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
         return model, engine.optimizer
     model, opt = run(tiny_gpt2(), wrap, lambda x: x[rank])
     out = {"diff": max_diff(wrap.engine.full_state_dict(), ref.state_dict()), "steps": wrap.engine.steps,
+           "norms": norms,
            "closure": error_on_every_rank(lambda: opt.step(lambda: 0.0))}
     scaler = torch.amp.GradScaler("cpu")
 

@@ -4,6 +4,7 @@ stage. Tolerances as tests/test_parity.py: fp32 SGD with momentum 1e-5, fp32 Ada
 """
 import pytest
 
+from contract_optimizer_scenarios import CLIP_TO
 from contract_scenarios import run
 from distributed import WorldResults, ok
 from models import TOL
@@ -279,13 +280,18 @@ def test_optimizer_state_dicts_load_as_in_torch(res, stage):
 @pytest.mark.parametrize("stage", range(4))
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
-    """loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad() on the user's
-    optimizer trains what plain torch trains (the scheduler built before initialize with SGD,
-    after it with AdamW), zero_grad between backwards drops the first; a closure raises, and so
-    does torch's GradScaler, naming the config's fp16 loss scaling."""
+    """loss.backward(); clip_grad_norm_(...); optimizer.step(); scheduler.step();
+    optimizer.zero_grad() on the user's optimizer trains what plain torch trains (the scheduler
+    built before initialize with SGD, after it with AdamW), zero_grad between backwards drops the
+    first; torch's clip_grad_norm_ returns torch's norms and clips (given the model's parameters
+    with SGD, the optimizer's with AdamW); a closure raises, and so does torch's GradScaler, naming
+    the config's fp16 loss scaling."""
     r, world = res
     got = ok(r, f"plain_loop_{opt}_stage{stage}")
     assert got["diff"] <= TOL[opt] and got["steps"] == 4
+    torch_norms, norms = got["norms"][:4], got["norms"][4:]
+    assert max(abs(a - b) / a for a, b in zip(torch_norms, norms)) < 1e-5, (torch_norms, norms)
+    assert max(torch_norms) > CLIP_TO, torch_norms  # it clips
     assert len(got["closure"]) == world and all(e.startswith("ValueError: zeroshard: optimizer.step(closure)")
                                                 for e in got["closure"])
     assert len(got["grad_scaler"]) == world and all(

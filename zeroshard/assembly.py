@@ -30,7 +30,8 @@ from .runtime.packing import auto_chunk_size, pack_groups
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues
-from .runtime.module_state import StateDictLoading, guard_grad_readers, guard_moves, route_zero_grad, sync_generation
+from .runtime.grad_readers import GradReaders, guard_grad_readers
+from .runtime.module_state import StateDictLoading, guard_moves, route_zero_grad, sync_generation
 from .runtime.offload import Placement, Transfer
 from .runtime.partitioned_activations import PartitionedActivations
 from .runtime.precision import InputCasts, cast_buffers
@@ -232,6 +233,8 @@ class EngineCalls:
     leaf_backward_done: Callable  # stage 3: the gradient went back through a leaf unit
     before_load: Callable[[], bool]  # model.load_state_dict is about to write parameters
     grad_arrived: Callable  # a parameter's gradient was accumulated
+    owned: Callable  # of a list of tensors, the ids of those the engine trains (runtime/grad_readers.py)
+    clip_grad_norm: Callable  # torch.nn.utils.clip_grad_norm_ given what the engine trains
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ class Installed:
     arrivals: ArrivalHooks | None
     saved: SavedTensorHooks
     unhooked: list[nn.Parameter]  # parameters frozen now, with no gradient hook yet
+    grad_readers: GradReaders  # torch.nn.utils' gradient readers know the engine's tensors while it keeps this
 
 
 def install_hooks(module: nn.Module, config: Config, world: World, model: Model, parts: Parts,
@@ -261,8 +265,7 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
     # a forward is a collective
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
-    guard_grad_readers(list(model.params) + ([t for ts in hooks.placeholders.values() for _, t in ts]
-                                             if hooks else []))
+    grad_readers = guard_grad_readers(on.owned, on.clip_grad_norm)
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)
     delayed = config.delay_update_after is not None
@@ -278,4 +281,4 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         if config.partition_activations else None
     saved = SavedTensorHooks(world.device, world.transfer, hooks, lambda: layout.chunks, config.offload_activations,
                              partition)
-    return Installed(hooks, loading, arrivals, saved, [p for p in model.params if not p.requires_grad])
+    return Installed(hooks, loading, arrivals, saved, [p for p in model.params if not p.requires_grad], grad_readers)

@@ -24,8 +24,8 @@ from .engine_io import EngineIO, TrainingPhase
 from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
-from .errors import ConfigError, invariant
-from .optim.user_calls import route_optimizer_calls
+from .errors import ConfigError, GradientsInChunksError, invariant
+from .optim.user_calls import refuse_clip_call, route_optimizer_calls
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
@@ -71,10 +71,11 @@ class Engine(EngineIO):
         # The hooks live on the module and in autograd: they call the engine through weak methods,
         # so a dropped engine does not live on in them.
         on = EngineCalls(weak_method(self.zero_grad), weak_method(self._leaf_backward_done),
-                         weak_method(self._before_load), weak_method(self._grad_arrived))
+                         weak_method(self._before_load), weak_method(self._grad_arrived),
+                         weak_method(self._owned), weak_method(self._clip_grad_norm))
         installed = install_hooks(module, config, world, model, parts, on)
-        self.hooks, self.loading, self._arrivals, self.saved = \
-            installed.hooks, installed.loading, installed.arrivals, installed.saved
+        self.hooks, self.loading, self._arrivals, self.saved, self._grad_readers = \
+            installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers
         self._grad_arrived_hook = on.grad_arrived
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
         # the model called directly, not through the engine, follows unfreezing too (first: a unit's
@@ -277,6 +278,10 @@ class Engine(EngineIO):
             self._sync = before
 
     def _begin_backward(self, by_autograd: bool = False) -> None:
+        if self.optim.clip_pending:
+            raise GradientsInChunksError(
+                "zeroshard: a backward after torch.nn.utils.clip_grad_norm_ and before the step: the clipping "
+                "applies at the step, to the gradients it measured; call it after the window's last backward")
         if by_autograd:  # the first gradient of a plain `loss.backward()`
             if self.scaler is not None:
                 raise RuntimeError("zeroshard: with precision 'fp16' call engine.backward(loss), not "
@@ -364,9 +369,7 @@ class Engine(EngineIO):
         failed = True
         try:
             with self._waits("run the optimizer step after"):
-                if self.reducer.unreduced:  # the window's last backward ran under no_sync()
-                    self.shards.at(pass_index=self.micro_steps)
-                    self.reducer.reduce_unreduced(self.chunks)
+                self._reduce_unreduced()
                 applied = self.optim.step()
             failed = False
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
@@ -397,6 +400,33 @@ class Engine(EngineIO):
         for hook in list(self._step_hooks.values()):
             hook(self, self.stats())
         return applied
+
+    def _reduce_unreduced(self) -> None:
+        if self.reducer.unreduced:  # the window's last backward ran under no_sync()
+            self.shards.at(pass_index=self.micro_steps)
+            self.reducer.reduce_unreduced(self.chunks)
+
+    def _owned(self, given: list) -> set[int]:
+        """The ids of the tensors of `given` this engine trains: parameters, stage 3's placeholders,
+        this rank's master pieces (what the user's optimizer lists)."""
+        known = set(self.layout.slot_of) | {id(pc.param) for c in self.optim.chunks for pc in c.pieces}
+        return {id(t) for t in given if id(t) in known or id(getattr(t, "_zs_param", None)) in known}
+
+    def _clip_grad_norm(self, given: list, max_norm: float, norm_type, error_if_nonfinite: bool) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over what this engine trains (runtime/grad_readers.py), in a
+        plain loop between the window's last backward and its step: the global L2 norm of the
+        gradients, the same on every rank (collective; 0 with no gradient, as torch's), and the
+        step clips to `max_norm` (optim/window_gradients.py)."""
+        self._expect_idle("torch.nn.utils.clip_grad_norm_()")
+        refuse_clip_call(given, self._owned(given), [p for p in self.params if p.requires_grad],
+                         [pc.param for c in self.optim.chunks for pc in c.pieces], norm_type,
+                         delayed=self.optim.delay_after is not None, tensor_parallel=self.tp is not None,
+                         mid_window=self.grads_pending and bool(self.micro_steps % self.optim.accumulation))
+        if not self.grads_pending:
+            return torch.zeros((), device=self.device)
+        with self._waits("clip the gradients after"):
+            self._reduce_unreduced()
+            return torch.tensor(self.optim.clip_at_step(float(max_norm), bool(error_if_nonfinite)), device=self.device)
 
     def _stepping(self) -> bool:
         return self.phase is TrainingPhase.STEP

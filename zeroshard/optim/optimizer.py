@@ -41,7 +41,7 @@ import torch
 
 from ..errors import NonFiniteError, TierFileError
 from .grad_views import GradViews
-from .grad_agreement import agree_grads, replicated_grads, scale_in_place, start_agreeing, sum_across
+from .grad_agreement import agree_grads, replicated_grads, scale_in_place, start_agreeing
 from .loss_scale import LossScaler
 from ..distributed.shard_groups import ShardGroups
 from .param_groups import ParamGroups, as_factory
@@ -50,10 +50,11 @@ from .tiered_states import TieredStates, agree_on_tier, state_bytes_by_side
 from .tiled_step import TiledStep
 from .user_writes import UserWrites
 from .delayed_update import DelayedUpdate, UpdateState
+from .window_gradients import WindowGradients, clipped
 from .publish import Publishing
 
 
-class ShardedOptimizer(DelayedUpdate, Publishing):
+class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
@@ -82,6 +83,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         self.accumulation = accumulation
         self.clip = clip_grad_norm
         self.measure_norm = measure_norm or clip_grad_norm is not None
+        self._ready = None  # this window's gradients once summed across shard groups and scaled (_ready_grads)
+        self._user_clip = None  # (the window's norm, the max norms asked) of torch's clip_grad_norm_ calls
         self.scaler = scaler
         self.nonfinite = nonfinite
         self.optimizer = None
@@ -197,7 +200,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         """Stage 0 without clipping: every rank holds the same summed gradient, so the step agrees
         on nothing over the group (replicated_grads); with no delayed update or disk tier either,
         it issues no collective at all (issues_no_collective: ordering.py's STEP)."""
-        return (self.stage == 0 and self.clip is None and not self.shards.hybrid
+        return (self.stage == 0 and self.clip is None and self._user_clip is None and not self.shards.hybrid
                 and all(c.presence_tail for c in self.chunks))
 
     issues_no_collective = property(lambda self: self.replicated and self.delay_after is None and self.tier is None)
@@ -216,11 +219,11 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
             self._launch()
             return True
         self._writes.carry()
-        grads = sum_across(self.shards, self.chunks, [c.reduced_grad() for c in self.chunks])
         agreed = []  # _update appends to it once every rank agreed to apply this update
         try:
-            applied, overflow, norm = self._update(grads, self._grads_seen(), self._inv_scale(), self.comm,
-                                                   self.optimizer, self._copy_target, self._publish, agreed)
+            applied, overflow, norm = self._update(self._ready_grads(), self._grads_seen(), self._inv_scale(),
+                                                   self.comm, self.optimizer, self._copy_target, self._publish,
+                                                   agreed, ready=True)
         except BaseException:
             if agreed:
                 try:
@@ -268,8 +271,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         """Per chunk, the slots that got a gradient on this rank since the last step (a copy)."""
         return [set(c.slots_with_grad) for c in self.chunks]
 
-    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish, agreed: list | None = None
-                ) -> tuple[bool, bool, float | None]:
+    def _update(self, grads, seen, inv: float, comm, opt, target_of, finish, agreed: list | None = None,
+                ready: bool = False) -> tuple[bool, bool, float | None]:
         """One update from the chunks' reduced gradients (compute dtype, summed over ranks and
         micro-batches) and the slots that got one on this rank (`seen`, per chunk): which
         parameters got a gradient on any rank, fp16 overflow check, clipping, the step, and
@@ -279,18 +282,12 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         next forward needs them. Returns (applied, overflow, global norm or None); not applied when
         no parameter got a gradient on any rank (torch's step then changes nothing). `agreed`: a
         list that gets an item once every rank agreed to apply the update and no collective of it
-        is left (it then applies or raises)."""
-        scale_in_place([None if self._scaled_on_arrival(c) else g for c, g in zip(self.chunks, grads)], inv)
-        exact = self.clip is not None
-        # Stage 0: every rank holds the whole gradient: one rank measures it for clipping (the
-        # exact norm), each rank its share otherwise (no rank then waits for one rank's pass).
-        # Hybrid: the other shard groups repeat the first's reduced shards, which would count
-        # once per group.
-        share = (comm.rank, comm.world) if self.stage == 0 and not exact else None
-        if self.stage == 0:
-            norm_here = comm.rank == 0 or share is not None
-        else:
-            norm_here = self.shards.replica == 0 or self.shards.split
+        is left (it then applies or raises). `ready`: the gradients are scaled (_ready_grads)."""
+        if not ready:
+            scale_in_place([None if self._scaled_on_arrival(c) else g for c, g in zip(self.chunks, grads)], inv)
+        caps = [*(self._user_clip[1] if self._user_clip else ()), *(() if self.clip is None else (self.clip,))]
+        exact, measure = bool(caps), self.measure_norm or bool(caps)
+        share, norm_here = self._norm_share(comm, exact)
         finite_check = self.scaler is not None or self.nonfinite != "ignore"
         # Stage 0 with peers (the step in the training thread) needs no collective but for the
         # clipping norm, which rank 0 measures for all (a norm measured on each rank could differ
@@ -298,16 +295,16 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         squared_later = None  # reads the global squared norm after the step (start_agreeing)
         if comm is self.comm and self.replicated:
             present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
-                                                     measure_norm=self.measure_norm)
-        elif (comm is self.comm and self.clip is None and not finite_check and not self.shards.hybrid
+                                                     measure_norm=measure)
+        elif (comm is self.comm and not caps and not finite_check and not self.shards.hybrid
               and self.tier is None and all(len(got) == len(c.slots) for c, got in zip(self.chunks, seen))):
             present, overflow, sq = [[True] * len(c.slots) for c in self.chunks], False, 0.0
-            squared_later = start_agreeing(comm, self.chunks, grads, inv, measure_norm=self.measure_norm,
+            squared_later = start_agreeing(comm, self.chunks, grads, inv, measure_norm=measure,
                                            share=share, norm_here=norm_here)
         else:
             present, overflow, sq = agree_grads(
                 comm, self.chunks, grads, seen, inv, finite_check=finite_check,
-                measure_norm=self.measure_norm, exact_norm=exact, share=share, norm_here=norm_here)
+                measure_norm=measure, exact_norm=exact, share=share, norm_here=norm_here)
         if overflow or not any(any(p) for p in present):
             if squared_later is not None:  # no slot at all: its all-reduce is read all the same
                 squared_later()
@@ -320,10 +317,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         # files after stepping, and a rank failing before that agreement must not gather.
         if agreed is not None and not disk:
             agreed.append(True)
-        norm = math.sqrt(sq) if self.measure_norm else None
-        coef = None  # the clipping factor, None when the gradient is left as it is
-        if self.clip is not None:
-            coef = self.clip / (norm + 1e-6) if norm + 1e-6 > self.clip else None
+        norm = math.sqrt(sq) if measure else None
+        coef, _ = clipped(norm, caps)  # the clipping factor, None when the gradient is left as it is
 
         read_16bit = getattr(opt, "grad_inputs", None)  # CPUAdamW: scales a 16-bit gradient as it reads it
 
@@ -393,7 +388,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
         self._drop_grads(keep_lasting=True)
         if squared_later is not None:
             sq = squared_later()
-            norm = math.sqrt(sq) if self.measure_norm else None
+            norm = math.sqrt(sq) if measure else None
         return True, False, norm
 
     def _step_chunks(self, opt, chunks, target_of) -> list:
@@ -423,6 +418,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing):
 
     def zero_grads(self) -> None:
         """Clear the chunks' gradients (after a step, or a failed one)."""
+        self._ready = self._user_clip = None
         for c in self.chunks:
             c.zero_grad()
 

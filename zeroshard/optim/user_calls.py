@@ -11,6 +11,10 @@ torch's GradScaler unscales the parameters' .grad before `optimizer.step()`, so 
 (and raise its own AssertionError) or leave the gradients scaled. The optimizer is marked as one
 that handles scaling itself, as torch's fused optimizers are: GradScaler then hands it the scale
 (`grad_scale`) in the call, and the step raises GradientsInChunksError naming what to use instead.
+
+`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` between backward and step is the
+engine's (runtime/grad_readers.py routes it, optim/window_gradients.py measures and clips);
+`refuse_clip_call` says where it cannot be.
 """
 from __future__ import annotations
 
@@ -49,3 +53,35 @@ def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
     opt._step_supports_amp_scaling = True  # GradScaler's protocol (above)
     opt.step = types.MethodType(routed_step, opt)
     opt.zero_grad = types.MethodType(routed_zero_grad, opt)
+
+
+def refuse_clip_call(given: list, owned: set[int], trained: list, pieces: list, norm_type, *, delayed: bool,
+                     tensor_parallel: bool, mid_window: bool) -> None:
+    """Raise GradientsInChunksError where the engine cannot answer torch.nn.utils.clip_grad_norm_
+    over `given` as torch would: a norm other than L2; tensors `given` must cover every parameter
+    the engine trains (`trained`, or as placeholders), or every master piece of this rank
+    (`pieces`, which the user's optimizer lists), since the norm of part of them needs whole
+    gradients; none may be another tensor (`owned`: the ids of those it trains) holding a gradient (a rank's own, not reduced). The
+    verdict follows from what every rank holds alike (the model, the call), so every rank raises.
+    Nor can it with a delayed update (the step runs in the background), tensor parallelism (a
+    rank's group shards each gradient: the config refuses clip_grad_norm there for the same reason),
+    or inside the config's gradient_accumulation_steps window (`mid_window`: torch would clip the
+    part summed so far)."""
+    def refuse(why: str):
+        raise GradientsInChunksError(
+            f"zeroshard: torch.nn.utils.clip_grad_norm_ was given parameters that zeroshard trains, but {why}. "
+            "Set the config's clip_grad_norm instead (the same global L2 norm, over every shard)")
+    if delayed:
+        refuse("the config's delay_update_after steps in the background")
+    if tensor_parallel:
+        refuse("tensor parallelism shards each gradient within a rank's group")
+    if mid_window:
+        refuse("the call comes inside the config's gradient_accumulation_steps window, before its last backward")
+    if float(norm_type) != 2.0:
+        refuse(f"norm_type={norm_type}: only the L2 norm (2.0) is measured over the shards")
+    ids = {id(t) for t in given} | {id(t._zs_param) for t in given if getattr(t, "_zs_param", None) is not None}
+    if not (all(id(p) in ids for p in trained) or all(id(p) in ids for p in pieces)):
+        refuse("not every parameter it trains (the norm of a part of them needs whole gradients): pass "
+               "model.parameters()")
+    if any(t.grad is not None and id(t) not in owned for t in given):
+        refuse("also tensors with a gradient that it does not train (their gradients are this rank's own)")

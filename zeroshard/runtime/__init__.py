@@ -4,4 +4,5 @@ placeholder.py stands in for a sharded parameter) and the stage 1-2 arrival guar
 gradients reduced into their shards (reducer.py), saved tensors kept as references or offloaded
 (saved_tensors.py) and partitioned over TP (partitioned_activations.py), transfers between device
 and host (offload.py), precision casts (precision.py), the model's own methods kept truthful
-(module_state.py) and models built on the meta device (materialize.py)."""
+(module_state.py, and torch's gradient readers: grad_readers.py) and models built on the meta
+device (materialize.py)."""

@@ -25,14 +25,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import GradientsInChunksError, ModuleCopyError, ModuleMovedError
+from ..errors import ModuleCopyError, ModuleMovedError
 from .chunks import ChunkState
 from .hooks import Stage3Hooks
 from ..units import direct_params
@@ -238,50 +237,6 @@ def full_parameters(layout, hooks: Stage3Hooks | None, params: list[nn.Parameter
                 c.unbind_params()
             else:
                 c.bind_params()
-
-
-_managed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a parameter zeroshard trains
-
-
-# torch.nn.utils' functions that read parameters' .grad, and what to do instead under zeroshard
-_GRAD_READERS = {
-    "clip_grad_norm_": "Set the config's clip_grad_norm instead (the same global L2 norm, over every shard); "
-                       "engine.stats()['grad_norm'] reports it",
-    "clip_grads_with_norm_": "Set the config's clip_grad_norm instead (the same global L2 norm, over every shard)",
-    "clip_grad_value_": "Clipping by value needs whole gradients, which are sharded: clip by norm with the "
-                        "config's clip_grad_norm",
-}
-
-
-def guard_grad_readers(params) -> None:
-    """Make torch.nn.utils.clip_grad_norm_ (the gradient reader every training loop calls),
-    clip_grads_with_norm_ and clip_grad_value_ raise GradientsInChunksError for `params` instead
-    of clipping nothing: their .grad is None, since gradients go into the chunks, so torch would
-    find a norm of 0 (or no value) and leave the step unclipped."""
-    for p in params:
-        _managed[id(p)] = p
-    for name, instead in _GRAD_READERS.items():
-        original = getattr(torch.nn.utils, name, None)
-        if original is None or getattr(original, "_zeroshard_guard", False):
-            continue
-        guarded = _refusing(original, name, instead)
-        setattr(torch.nn.utils, name, guarded)
-        if getattr(torch.nn.utils.clip_grad, name, None) is original:
-            setattr(torch.nn.utils.clip_grad, name, guarded)
-
-
-def _refusing(original, name: str, instead: str):
-    @functools.wraps(original)
-    def guarded(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(_managed.get(id(p)) is p for p in params):
-            raise GradientsInChunksError(
-                f"zeroshard: torch.nn.utils.{name} was given parameters that zeroshard trains: their gradients "
-                f"live in zeroshard's chunks (sharded, reduced at the step), so torch would see none and clip "
-                f"nothing. {instead}")
-        return original(params, *args, **kwargs)
-    guarded._zeroshard_guard = True
-    return guarded
 
 
 def _check_not_moved(chunks: list) -> None:
