@@ -5,6 +5,7 @@ skip, and a loss that does not come from the engine's forward.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 
@@ -276,7 +277,9 @@ def optimizer_state_dicts(rank, world, stage):
     - rank 0's dict loaded on every rank: what DDP code does; at stage >= 1 above a world of 1 it
       holds rank 0's shard only: CheckpointError on every rank;
     - at stage 0 (and at a world of 1) the engine's dict is torch's own format: a plain torch
-      optimizer loads it and trains on as the engine does."""
+      optimizer loads it and trains on as the engine does;
+    - engine.full_optimizer_state_dict() (collective) is torch's own format at every stage: the
+      plain run's state_dict (groups, keys, values), which plain torch loads."""
     cfg = {"stage": stage, "chunk_size": 300}
     data = inputs(4, world, 3, 32)
     ref, out = OutOfOrder(), {}
@@ -305,10 +308,19 @@ def optimizer_state_dicts(rank, world, stage):
                             ref.state_dict())
     model = OutOfOrder()
     straight = train(zeroshard.initialize(model, make_adamw(list(model.parameters())), cfg), data[:2])
-    saved = copy.deepcopy({"model": straight.full_state_dict(), "optimizer": straight.optimizer.state_dict()})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        saved = copy.deepcopy({"model": straight.full_state_dict(), "optimizer": straight.optimizer.state_dict()})
+        straight.optimizer.state_dict()
+    out["shard_warnings"] = sum("holds this rank's shard" in str(w.message) for w in caught)
     train(straight, data[2:])
     out["own"] = max_diff(train(engine_from(saved["model"], saved["optimizer"]), data[2:]).full_state_dict(),
                           straight.full_state_dict())
+    full, torch_sd = straight.full_optimizer_state_dict(), ref_opt.state_dict()
+    out["full_groups"] = full["param_groups"] == torch_sd["param_groups"]
+    out["full_keys"] = {i: list(v) for i, v in full["state"].items()} == {i: list(v) for i, v in torch_sd["state"].items()}
+    out["full_vs_torch"] = max(max_diff(full["state"][i], v) for i, v in torch_sd["state"].items())
+    make_adamw(list(OutOfOrder().parameters())).load_state_dict(full)  # plain torch loads it
     out["torch_format"] = "zeroshard" not in saved["optimizer"]
     first = every_rank(saved)[0]
     out["rank0"] = error_on_every_rank(lambda: engine_from(first["model"], first["optimizer"]))

@@ -244,6 +244,7 @@ def disk_checkpoint_round_trips(rank, world):
     out["optimizer_state_dict"] = error_on_every_rank(lambda: e.optimizer.state_dict())[rank]
     out["optimizer_load_state_dict"] = error_on_every_rank(
         lambda: e.optimizer.load_state_dict({"state": {}, "param_groups": e.optimizer.param_groups}))[rank]
+    out["full_optimizer_state_dict"] = error_on_every_rank(lambda: e.full_optimizer_state_dict())[rank]
     every_rank(None)
     if rank == 0:
         shutil.rmtree(root)

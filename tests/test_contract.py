@@ -264,12 +264,17 @@ def test_optimizer_state_dicts_load_as_in_torch(res, stage):
     used in another order than registered: a plain torch run's state resumes at every stage (AdamW
     tolerance); a rank's own dict resumes bit for bit; where every rank steps whole parameters
     (stage 0, a world of 1) the dict is torch's format, which every rank and plain torch load;
-    otherwise rank 0's dict on every rank raises CheckpointError on every rank."""
+    otherwise a warning says, once, that the dict holds the rank's shard, and rank 0's dict on every
+    rank raises CheckpointError on every rank.
+    engine.full_optimizer_state_dict() is the plain run's optimizer.state_dict() at every stage
+    (groups, keys, values within the AdamW tolerance), which plain torch loads."""
     r, world = res
     got = ok(r, f"optimizer_state_dicts_stage{stage}")
     assert got["plain"] <= TOL["adamw"] and got["own"] == 0.0
+    assert got["full_groups"] and got["full_keys"] and got["full_vs_torch"] <= TOL["adamw"]
     whole = stage == 0 or world == 1
     assert got["torch_format"] == whole
+    assert got["shard_warnings"] == (0 if whole else 1)  # a shard's dict says so, once
     if whole:
         assert got["rank0"] == ["no error"] * world and got["into_torch"] <= TOL["adamw"]
     else:

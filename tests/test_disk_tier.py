@@ -81,6 +81,8 @@ def test_checkpoints_go_between_the_disk_the_host_and_the_device(res):  # noqa: 
                                                       "the disk tier")
     assert got.pop("optimizer_load_state_dict").startswith("CheckpointError: zeroshard: the optimizer's states are "
                                                            "in the disk tier (offload_optimizer='disk'): load them")
+    assert got.pop("full_optimizer_state_dict").startswith("CheckpointError: zeroshard: the optimizer's states are "
+                                                           "in the disk tier (offload_optimizer='disk'): save them")
     assert got == {"disk": 0.0, "host": 0.0, "device": 0.0, "host_to_disk": 0.0, "reload": 0.0}, got
 
 

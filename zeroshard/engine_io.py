@@ -88,6 +88,16 @@ class EngineIO:
         from .state.checkpoint import full_state_dict
         return full_state_dict(self._state_view())
 
+    def full_optimizer_state_dict(self) -> dict:
+        """Collective: every rank gets the optimizer's state in torch's own format, as a plain torch
+        optimizer over the model's parameters (the user's param groups, in order) holds it, each
+        state whole and on the CPU: plain torch loads it, and so does `optimizer.load_state_dict` on
+        an engine of any stage and world size. Save it from rank 0 beside full_state_dict()
+        (state/full_optimizer.py)."""
+        self._expect_idle("full_optimizer_state_dict()")
+        from .state.full_optimizer import full_optimizer_state_dict
+        return full_optimizer_state_dict(self._state_view())
+
     def load_weights(self, path, strict: bool = True):
         """Collective: load pretrained weights (a Hugging Face folder: model.safetensors or a sharded
         model.safetensors.index.json; a .safetensors file; a `zeroshard export` output) into the

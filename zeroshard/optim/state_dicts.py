@@ -7,7 +7,9 @@ its state by pieces, in chunk order. Hooks on the optimizer translate:
 - state_dict(): where every piece this rank steps is a whole parameter (stage 0, or a world of one),
   the state is listed in the order of the parameters in the user's groups: torch's own format, which
   a plain torch optimizer (and every rank) loads. Otherwise each rank's dict holds its own pieces,
-  and its `zeroshard` entry lists the element ranges (parameter name, lo, hi) each index holds.
+  and its `zeroshard` entry lists the element ranges (parameter name, lo, hi) each index holds (a
+  warning says so, once: DDP code saves rank 0's dict alone). engine.full_optimizer_state_dict()
+  (state/full_optimizer.py) is torch's own format at every stage.
 - load_state_dict(): takes either form, from any layout whose elements cover this rank's pieces:
   a plain torch or DDP run's state resumes at any stage and world size; a rank's own pieces load into
   the same pieces only (the same rank, world size, stage and chunk size). Anything else raises
@@ -20,6 +22,7 @@ zeroshard's own loads (checkpoint_load.py) go through `own_load()`, untranslated
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -41,6 +44,7 @@ class StateDicts:
         self.chunks, self.groups, self.comm, self.before_load = chunks, groups, comm, before_load
         self.tiered = tiered  # the disk tier's records, not optimizer.state, hold states between steps
         self._own = False
+        self._warned = False
         opt.register_state_dict_pre_hook(lambda _: before_save())
         opt.register_state_dict_post_hook(self._saved)
         opt.register_load_state_dict_pre_hook(self._loading)
@@ -85,6 +89,13 @@ class StateDicts:
     def _saved(self, opt, sd: dict) -> dict:
         whole = self._whole(opt)
         if whole is None:
+            if not self._warned:  # DDP code saves rank 0's dict alone: the other ranks' states would be lost
+                self._warned = True
+                warnings.warn("zeroshard: optimizer.state_dict() at stage >= 1 above a world of 1 holds this rank's "
+                              "shard of the optimizer's state only: save one per rank (each loads into the same "
+                              "rank, world size, stage and chunk size), or take engine.full_optimizer_state_dict() "
+                              "(collective; torch's own format, which any layout loads) or engine.save_checkpoint()",
+                              stacklevel=5)  # the caller of torch's state_dict, past its two wrappers
             return {**sd, ENTRY: {"ranges": self._ranges(opt), "rank": self.comm.rank, "world": self.comm.world}}
         out_state, out_groups, n = {}, [], 0
         for g, order in zip(sd["param_groups"], whole):

@@ -79,7 +79,7 @@ class OneOpen:
             self.tier.close(c, write=False)
 
 
-def _optim_kinds(view) -> dict[str, dict[str, str]]:
+def optim_kinds(view) -> dict[str, dict[str, str]]:
     """Collective: {parameter name: {state name: 'elementwise' | 'tensor' | 'int' | 'float'}} for
     every parameter with optimizer state on some rank (one never stepped has none, as in torch);
     CheckpointError for a state of any other kind (nothing is pickled)."""
@@ -277,7 +277,7 @@ def save(view: TrainingState, root, tag: str | None = None, client_state: dict |
     if view.grads_pending and not omit_pending_grads:
         raise CheckpointError("zeroshard: save_checkpoint with gradients that no step() has applied yet (they "
                               "would be lost); save after engine.step() has applied the update")
-    kinds = _optim_kinds(view)
+    kinds = optim_kinds(view)
     tag = tag if tag is not None else f"step{view.steps}"
     if not tag or os.sep in tag or tag.startswith(".") or tag == LATEST or VERSION.fullmatch(tag):
         raise CheckpointError(f"zeroshard: checkpoint tag {tag!r} must be a plain name (no '{os.sep}', not "
