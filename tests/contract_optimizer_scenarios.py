@@ -321,6 +321,15 @@ def optimizer_state_dicts(rank, world, stage):
     out["full_keys"] = {i: list(v) for i, v in full["state"].items()} == {i: list(v) for i, v in torch_sd["state"].items()}
     out["full_vs_torch"] = max(max_diff(full["state"][i], v) for i, v in torch_sd["state"].items())
     make_adamw(list(OutOfOrder().parameters())).load_state_dict(full)  # plain torch loads it
+    r0, r0_model = straight.full_optimizer_state_dict(rank0_only=True), straight.full_state_dict(rank0_only=True)
+    model_sd = straight.full_state_dict()
+    out["rank0_only"] = (r0_model == {} and r0 == {}) if rank else (
+        max_diff(r0_model, model_sd) == 0.0 and r0["param_groups"] == full["param_groups"]
+        and max(max_diff(r0["state"][i], v) for i, v in full["state"].items()) == 0.0)
+    # an optimizer callable is handed each rank's pieces: its groups list the model's parameters in order
+    built = train(zeroshard.initialize(OutOfOrder(), make_adamw, cfg), data).full_optimizer_state_dict()
+    out["full_from_callable"] = (built["param_groups"] == torch_sd["param_groups"]
+                                 and max(max_diff(built["state"][i], v) for i, v in torch_sd["state"].items()))
     out["torch_format"] = "zeroshard" not in saved["optimizer"]
     first = every_rank(saved)[0]
     out["rank0"] = error_on_every_rank(lambda: engine_from(first["model"], first["optimizer"]))

@@ -267,11 +267,15 @@ def test_optimizer_state_dicts_load_as_in_torch(res, stage):
     otherwise a warning says, once, that the dict holds the rank's shard, and rank 0's dict on every
     rank raises CheckpointError on every rank.
     engine.full_optimizer_state_dict() is the plain run's optimizer.state_dict() at every stage
-    (groups, keys, values within the AdamW tolerance), which plain torch loads."""
+    (groups, keys, values within the AdamW tolerance), which plain torch loads, with an optimizer
+    instance and with a callable (handed each rank's pieces); with rank0_only (and
+    full_state_dict's) only rank 0 keeps it."""
     r, world = res
     got = ok(r, f"optimizer_state_dicts_stage{stage}")
     assert got["plain"] <= TOL["adamw"] and got["own"] == 0.0
     assert got["full_groups"] and got["full_keys"] and got["full_vs_torch"] <= TOL["adamw"]
+    assert got["full_from_callable"] is not False and got["full_from_callable"] <= TOL["adamw"]
+    assert got["rank0_only"]  # rank 0's dicts as without it, the other ranks' {}
     whole = stage == 0 or world == 1
     assert got["torch_format"] == whole
     assert got["shard_warnings"] == (0 if whole else 1)  # a shard's dict says so, once

@@ -82,21 +82,23 @@ class EngineIO:
         """The user's optimizer, over this rank's master pieces (its state dict, an LR scheduler)."""
         return self.optim.optimizer
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective: every rank gets the model's own state_dict keys with full fp32 parameter
-        values (and buffers as they are), on the CPU."""
+        values (and buffers as they are), on the CPU, gathered a chunk at a time. `rank0_only`: only
+        rank 0 keeps them (the others get {}), as FSDP's rank0_only and DCP's cpu_offload: one
+        copy of the model in host memory, not one per rank."""
         from .state.checkpoint import full_state_dict
-        return full_state_dict(self._state_view())
+        return full_state_dict(self._state_view(), rank0_only)
 
-    def full_optimizer_state_dict(self) -> dict:
+    def full_optimizer_state_dict(self, rank0_only: bool = False) -> dict:
         """Collective: every rank gets the optimizer's state in torch's own format, as a plain torch
         optimizer over the model's parameters (the user's param groups, in order) holds it, each
         state whole and on the CPU: plain torch loads it, and so does `optimizer.load_state_dict` on
         an engine of any stage and world size. Save it from rank 0 beside full_state_dict()
-        (state/full_optimizer.py)."""
+        (state/full_optimizer.py). `rank0_only`: only rank 0 keeps it (the others get {})."""
         self._expect_idle("full_optimizer_state_dict()")
         from .state.full_optimizer import full_optimizer_state_dict
-        return full_optimizer_state_dict(self._state_view())
+        return full_optimizer_state_dict(self._state_view(), rank0_only)
 
     def load_weights(self, path, strict: bool = True):
         """Collective: load pretrained weights (a Hugging Face folder: model.safetensors or a sharded

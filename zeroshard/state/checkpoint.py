@@ -252,15 +252,29 @@ def quiesce(view) -> None:
     view.apply_delayed_update()
 
 
-def full_state_dict(view: TrainingState) -> dict[str, torch.Tensor]:
+def full_state_dict(view: TrainingState, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """See Engine.full_state_dict: the model's own state_dict keys, full fp32 parameter values and
     buffers as they are, on the CPU (a collective; with tensor parallelism over the TP group too: a
-    split parameter's whole tensor, as plain torch would hold it)."""
+    split parameter's whole tensor, as plain torch would hold it). Chunk by chunk: the device holds
+    one gathered chunk at a time (with tensor parallelism: all of them, joined in the parameters'
+    order). `rank0_only`: the other ranks keep nothing and get {}."""
     quiesce(view)
-    full = view.layout.full_values()
+    keep = not rank0_only or view.world_comm.rank == 0
     if view.tp is not None:
-        full = {id(p): view.tp.full_tensor(p, full[id(p)]) for p in view.params}
-    return {key: (full[id(obj)] if id(obj) in full else view.module.get_buffer(key)).detach().cpu().clone()
+        full = view.layout.full_values()
+        full = {id(p): view.tp.full_tensor(p, full[id(p)]).detach().cpu().clone() for p in view.params}
+    else:
+        full = {}
+        with view.shards.uncounted():
+            for c in view.layout.chunks:
+                whole = view.layout.full_fp32(c)
+                if keep:
+                    full.update({id(s.param): whole[s.offset:s.offset + s.numel].view(s.shape).cpu().clone()
+                                 for s in c.slots})
+                del whole  # before the next chunk's
+    if not keep:
+        return {}
+    return {key: full[id(obj)] if id(obj) in full else view.module.get_buffer(key).detach().cpu().clone()
             for key, obj in view.state_keys}
 
 
