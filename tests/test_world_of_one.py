@@ -173,6 +173,8 @@ def test_torch_clip_grad_norm_is_the_engines_or_raises(stage):
     clip(model.parameters(), 1.0)
     with pytest.raises(zeroshard.GradientsInChunksError, match="a backward after torch.nn.utils.clip_grad_norm_"):
         engine.backward(engine(x).sum())
+    with pytest.raises(zeroshard.GradientsInChunksError, match="a backward after torch.nn.utils.clip_grad_norm_"):
+        model(x).sum().backward()  # raised in autograd's hook: the gradient it got must not stay in .grad
     engine.zero_grad()
     engine.backward(engine(x).sum())
     torch.manual_seed(0)

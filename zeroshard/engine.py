@@ -331,7 +331,11 @@ class Engine(EngineIO):
 
     def _grad_arrived(self, p: nn.Parameter) -> None:
         if self.phase is not TrainingPhase.BACKWARD:
-            self._begin_backward(by_autograd=True)
+            try:
+                self._begin_backward(by_autograd=True)
+            except BaseException:
+                p.grad = None  # left there, the next backward would add it to its own
+                raise
         self.shards.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
         self.reducer.add(chunk, slot, local_grad(p, p.grad))
@@ -407,8 +411,7 @@ class Engine(EngineIO):
             self.reducer.reduce_unreduced(self.chunks)
 
     def _owned(self, given: list) -> set[int]:
-        """The ids of the tensors of `given` this engine trains: parameters, stage 3's placeholders,
-        this rank's master pieces (what the user's optimizer lists)."""
+        """Ids of the tensors of `given` it trains: parameters, placeholders, this rank's pieces."""
         known = set(self.layout.slot_of) | {id(pc.param) for c in self.optim.chunks for pc in c.pieces}
         return {id(t) for t in given if id(t) in known or id(getattr(t, "_zs_param", None)) in known}
 
