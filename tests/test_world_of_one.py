@@ -151,7 +151,8 @@ def test_torch_clip_grad_norm_is_the_engines_or_raises(stage):
     error_if_nonfinite raises RuntimeError. Where the engine cannot answer it as torch would, a named error:
     a part of the parameters, another norm than L2, tensors it does not train that hold a gradient,
     a backward after the call (before the step), a delayed update, and inside the config's
-    accumulation window."""
+    accumulation window; torch's own clip_grad_norm_, bound to a name before initialize, which
+    would clip nothing."""
     def make(cfg=None):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -170,6 +171,9 @@ def test_torch_clip_grad_norm_is_the_engines_or_raises(stage):
                                   ([*model.parameters(), *other.parameters()], 2.0, "tensors with a gradient")]:
         with pytest.raises(zeroshard.GradientsInChunksError, match=why):
             clip(given, 1.0, norm_type)
+    torch_own = clip.__wrapped__  # what `from torch.nn.utils import clip_grad_norm_` bound before initialize
+    with pytest.raises(zeroshard.GradientsInChunksError, match="bound before zeroshard.initialize"):
+        torch_own(model.parameters(), 1.0)
     clip(model.parameters(), 1.0)
     with pytest.raises(zeroshard.GradientsInChunksError, match="a backward after torch.nn.utils.clip_grad_norm_"):
         engine.backward(engine(x).sum())

@@ -12,6 +12,11 @@ stage 3's placeholders, and this rank's master pieces, which the user's optimize
 - clip_grads_with_norm_ and clip_grad_value_, and clip_grad_norm_ where the engine cannot answer
   it, raise GradientsInChunksError naming what to use instead;
 - tensors no engine trains are torch's own, untouched.
+
+A name bound before the first engine (`from torch.nn.utils import clip_grad_norm_`) still calls
+torch's own clip_grad_norm_, which would find no .grad and clip nothing: the helper it clips with,
+looked up in its module at each call (`_clip_grads_with_norm_`), raises GradientsInChunksError for
+an engine's tensors instead.
 """
 from __future__ import annotations
 
@@ -58,7 +63,25 @@ def guard_grad_readers(owned: Callable[[list], set], clip: Callable) -> GradRead
         setattr(torch.nn.utils, name, replaced)
         if getattr(torch.nn.utils.clip_grad, name, None) is original:
             setattr(torch.nn.utils.clip_grad, name, replaced)
+    helper = getattr(torch.nn.utils.clip_grad, "_clip_grads_with_norm_", None)
+    if helper is not None and not getattr(helper, "_zeroshard_guard", False):
+        torch.nn.utils.clip_grad._clip_grads_with_norm_ = _refusing_bound_earlier(helper)
     return readers
+
+
+def _refusing_bound_earlier(helper):
+    @functools.wraps(helper)
+    def clip_with_norm(parameters, *args, **kwargs):
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(r.owned(given) for r in list(_engines)):
+            raise GradientsInChunksError(
+                "zeroshard: torch's own clip_grad_norm_ ran on parameters that zeroshard trains, through a name "
+                "bound before zeroshard.initialize (from torch.nn.utils import clip_grad_norm_): it finds no .grad "
+                "(the gradients live in zeroshard's chunks) and would clip nothing. Call "
+                "torch.nn.utils.clip_grad_norm_(...), which is the engine's")
+        return helper(given, *args, **kwargs)
+    clip_with_norm._zeroshard_guard = True
+    return clip_with_norm
 
 
 def _routed(original, name: str):
