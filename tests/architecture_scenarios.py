@@ -6,8 +6,12 @@ batch's mean loss).
 Each architecture brings something GPT-2 does not: an encoder-decoder with shared embeddings
 (T5), a convolutional front end (Whisper), routed experts (Mixtral, DeepSeek-V3 with its latent
 attention and shared experts), sliding-window attention and scaled tied embeddings (Gemma 3), a
-state-space scan (Mamba), parallel residuals (GPT-NeoX), a masked-LM head tied to the embedding
-(BERT), a classification head (RoBERTa), patches (ViT), BatchNorm (ResNet). An architecture the
+state-space scan (Mamba), attention and Mamba layers of two classes in one layer list with routed
+experts (Jamba), parallel residuals (GPT-NeoX), a masked-LM head tied to the embedding (BERT), a
+classification head (RoBERTa), patches (ViT), BatchNorm (ResNet), raw audio through convolutional
+feature layers of several classes, a grouped convolution under torch's weight_norm parametrization
+and a CTC loss whose head checks its labels' values (wav2vec2: offload="auto" profiles it with the
+labels' values, planning/input_values.py). An architecture the
 installed transformers lacks is recorded as unavailable (test_architectures skips it, naming it).
 """
 from __future__ import annotations
@@ -42,7 +46,7 @@ GENERATING = ("stage3_small_chunks", "stage3_compiled")  # the engines whose gre
 
 def _no_dropout(cfg):
     for key, value in list(vars(cfg).items()):
-        if ("dropout" in key or "drop_path" in key) and isinstance(value, float):
+        if any(word in key for word in ("dropout", "drop_path", "layerdrop")) and isinstance(value, float):
             setattr(cfg, key, 0.0)
     return cfg
 
@@ -84,6 +88,15 @@ def architectures() -> dict:
                           sliding_window=8), "tokens", True),
         "mamba": (_model("MambaForCausalLM", "MambaConfig", vocab_size=v, hidden_size=h, state_size=4,
                          num_hidden_layers=2, expand=2, conv_kernel=4), "tokens", True),
+        "jamba": (_model("JambaForCausalLM", "JambaConfig", **decoder, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                         expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                         use_mamba_kernels=False), "tokens", True),
+        "wav2vec2": (_model("Wav2Vec2ForCTC", "Wav2Vec2Config", vocab_size=v, hidden_size=h, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=ffn, conv_dim=(8, 8), conv_stride=(4, 2),
+                            conv_kernel=(8, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2,
+                            mask_time_prob=0.0, pad_token_id=0, ctc_loss_reduction="mean"),
+                     "waveform", False),
         "gpt_neox": (_model("GPTNeoXForCausalLM", "GPTNeoXConfig", **decoder), "tokens", True),
         "vit": (_model("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=4, num_channels=3,
                        hidden_size=h, num_hidden_layers=2, num_attention_heads=4, intermediate_size=ffn,
@@ -103,6 +116,8 @@ def batch(kind: str, g: torch.Generator, n: int = 2) -> dict:
     if kind == "seq2seq":
         return {"input_ids": torch.randint(3, VOCAB, (n, 10), generator=g),
                 "labels": torch.randint(3, VOCAB, (n, 7), generator=g)}
+    if kind == "waveform":  # 256 samples: 31 frames after the feature layers, for 4 CTC labels each
+        return {"input_values": torch.randn(n, 256, generator=g), "labels": torch.randint(3, VOCAB, (n, 4), generator=g)}
     if kind == "audio":
         return {"input_features": torch.randn(n, 8, 32, generator=g), "labels": torch.randint(3, VOCAB, (n, 7), generator=g)}
     return {"pixel_values": torch.randn(n, 3, 16, 16, generator=g), "labels": torch.randint(0, 5, (n,), generator=g)}

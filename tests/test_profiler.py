@@ -94,18 +94,55 @@ def test_checkpoint_regions_are_detected(reentrant):
 
 
 def test_model_reading_values_gets_an_assumed_value_and_a_warning(caplog):
-    class Branchy(torch.nn.Module):
+    class Branchy(torch.nn.Module):  # the branch reads a value computed from a parameter: unknown on meta
         def __init__(self):
             super().__init__()
             self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.a(x) if bool((x > -100).all()) else self.b(x)
+            return self.a(x) if bool((self.a.weight > -100).all()) else self.b(x)
 
     with caplog.at_level("WARNING", logger="zeroshard"):
         prof = zeroshard.profile(Branchy(), torch.randn(2, 4))
     assert [e.module for e in prof.trace if e.phase == "forward"] == ["a"]
     assert "assuming True" in caplog.text
+
+
+class ReadsItsInputs(torch.nn.Module):
+    """Reads what its inputs alone determine, as transformers' heads do: a label check that raises
+    (wav2vec2's CTC head: `labels.max() >= vocab_size`; assumed True, it raised on meta), a branch
+    on the attention mask (assumed True, it took the unmasked path: the other module), the labels
+    that are not padding (masked_select: no meta kernel) and CTC's loss (none either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unmasked, self.masked, self.head = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4),
+                                                 torch.nn.Linear(4, 6))
+
+    def forward(self, x, mask, labels):
+        if labels.max() >= 6:
+            raise ValueError("labels out of range")
+        h = self.unmasked(x) if mask.all() else self.masked(x * mask.unsqueeze(-1))
+        log_probs = self.head(h).log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+        keep = labels >= 1
+        targets = labels.masked_select(keep)
+        lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.long)
+        return torch.nn.functional.ctc_loss(log_probs, targets, lengths, keep.sum(-1))
+
+
+def test_values_the_inputs_alone_determine_are_read_as_they_are(caplog):
+    x = torch.randn(2, 10, 4)
+    mask = torch.ones(2, 10)
+    mask[1, 7:] = 0
+    labels = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
+    model = ReadsItsInputs()
+    with caplog.at_level("WARNING", logger="zeroshard"):
+        prof = zeroshard.profile(model, (x, mask, labels), loss_fn=lambda loss: loss)
+    assert [e.module for e in prof.trace if e.phase == "forward"] == ["masked", "head"]
+    assert "assuming" not in caplog.text
+    model(x, mask, labels).backward()  # what was profiled trains
+    with pytest.raises(ValueError, match="labels out of range"):  # the check reads the real labels
+        zeroshard.profile(model, (x, mask, labels + 6), loss_fn=lambda loss: loss)
 
 
 def test_values_of_real_tensors_are_read_as_they_are(caplog):

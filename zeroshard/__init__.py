@@ -93,7 +93,8 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
     config: a `Config`, a dict of its fields, or a path to a .json/.toml file with them.
     device: where compute runs; default cuda:LOCAL_RANK when CUDA is available, else the CPU.
     example_inputs: with offload/stage 'auto', one micro-batch as the model is called in training (a
-        tensor, a tuple of arguments or a dict of keyword arguments; only shapes and dtypes are used):
+        tensor, a tuple of arguments or a dict of keyword arguments: their shapes and dtypes, and the
+        values the model reads from them, as a label check; planning/input_values.py):
         the model is profiled on the meta device, the machine measured (cached), and the plan applied.
     weights: pretrained weights to start from (a Hugging Face folder with model.safetensors or a
         sharded model.safetensors.index.json, a .safetensors file, or a `zeroshard export` output):

@@ -155,7 +155,7 @@ def compile_units(module: nn.Module, config: Config, world: World, planned: Plan
         return dataclasses.replace(world, leaves=[module])
     if not world.leaves:  # the root's graph would hold every hook
         raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
-                          "ModuleList of same-class layers) or, a model of one chunk whose forward is its "
+                          "ModuleList of two or more layers) or, a model of one chunk whose forward is its "
                           "class's, the whole forward; this model is neither: name the modules to compile, "
                           "each gathered whole, with leaf_modules")
     return world

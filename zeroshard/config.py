@@ -119,7 +119,7 @@ class Config:
     compile: torch.compile the model's forward (runtime/compiled.py): True, or a dict of
         torch.compile's keyword arguments ({'backend': 'aot_eager'}, {'mode': 'max-autotune'}).
         Each layer block's forward is compiled (the modules of the model's ModuleList of
-        same-class layers; a model without one, or at stages 0-2 one whose parameters are a
+        layers; a model without one, or at stages 0-2 one whose parameters are a
         single chunk and whose forward no front end wrapped: its whole forward), its hooks outside
         the graph, as FSDP2's users compile each block they shard; stage 3 gathers each block
         whole (a leaf unit). Compiled once the chunk layout is final (after the first training forward, which

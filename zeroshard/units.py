@@ -104,10 +104,12 @@ def _outermost_in_order(model: nn.Module, modules: list[nn.Module]) -> list[nn.M
 
 def layer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's layer blocks: the children of each outermost ModuleList holding two or more
-    modules of one class with parameters (a transformer's layers), in module order. Config
-    `compile` compiles each one's forward, and at stage 3 makes it a leaf unit (runtime/compiled.py)."""
+    modules, each with parameters (a transformer's layers; of several classes in a hybrid model
+    such as Jamba's attention and Mamba layers, or a convolutional front end's layers), in module
+    order. Config `compile` compiles each one's forward, and at stage 3 makes it a leaf unit
+    (runtime/compiled.py)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) >= 2
-             and len({type(c) for c in m}) == 1 and all(any(True for _ in c.parameters()) for c in m)]
+             and all(any(True for _ in c.parameters()) for c in m)]
     return [block for lst in _outermost(lists) for block in lst]
 
 

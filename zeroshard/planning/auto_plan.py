@@ -24,7 +24,7 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None,
     if example_inputs is None:
         raise ValueError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
                          "example_inputs=... to zeroshard.initialize (one micro-batch as the model is "
-                         "called, e.g. {'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
+                         "called, e.g. {'input_ids': x, 'labels': x})")
     dtype = config.dtype
     mine = None
     every = every or comm

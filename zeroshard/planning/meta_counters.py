@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ..distributed.tensor_parallel import local
+from .input_values import InputValues
 
 log = logging.getLogger("zeroshard")
 
@@ -25,9 +26,10 @@ class LiveBytes(TorchDispatchMode):
     """Follows every storage created by an operator until it is freed; keeps the peak of their sum.
     Also counts matmul-like flops with torch's flop formulas."""
 
-    def __init__(self, known: set[int]):
+    def __init__(self, known: set[int], values: InputValues | None = None):
         super().__init__()
         self.known = known  # storages that existed before the step (parameters, inputs, buffers)
+        self.values = values or InputValues()  # what the inputs and buffers alone determine
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -87,12 +89,21 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
             # Only a meta tensor lacks a value: a real one (`torch.rand([]) < p`, as in LayerDrop) is read
-            # as it is, or a branch on it would be steered wrong (every layer skipped, for one).
-            return self._assumed_value(args[0])
+            # as it is, or a branch on it would be steered wrong (every layer skipped, for one); so is
+            # one computed from the inputs alone (input_values.py).
+            value = self.values.value_of(args[0])
+            return self._assumed_value(args[0]) if value is None else value.item()
         if func is torch.ops.aten._grouped_mm.default:
             out = self._grouped_mm(func, *args, **kwargs)
         else:
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except (NotImplementedError, RuntimeError):  # no meta kernel: a shape that depends on values
+                out = self.values.instead(func, args, kwargs)
+                if out is None:
+                    raise
+            else:
+                self.values.follow(func, args, kwargs, out)
         if func.namespace == "_c10d_functional":
             self._count_collective(func._overloadpacket, args)
         count = flop_registry.get(func._overloadpacket)

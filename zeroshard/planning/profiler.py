@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..distributed.tensor_parallel import as_dtensor, local, local_shape
+from .input_values import InputValues
 from .meta_counters import AttentionAsOnDevice, AutocastOnMeta, LiveBytes, SavedBytes
 from ..units import BackwardHolds, direct_params, leaf_modules, refuse_untrainable, unit_members
 
@@ -157,10 +158,15 @@ def _meta_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(p.shape, dtype=dtype, device="meta")
 
 
-def _to_meta(x, dtype):
+def _to_meta(x, dtype, values: InputValues):
+    """A meta copy of input or buffer `x` (floating ones in `dtype`) that keeps its value in `values`
+    where it has one (not a meta model's buffer)."""
     if isinstance(x, torch.Tensor):
         d = dtype if x.is_floating_point() else x.dtype
-        return torch.empty(x.shape, dtype=d, device="meta")
+        meta = torch.empty(x.shape, dtype=d, device="meta")
+        if x.device.type != "meta" and not isinstance(x, DTensor):
+            values.give(meta, x)
+        return meta
     return x
 
 
@@ -185,8 +191,9 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
     """Profile one training step (forward + backward) of `model` on the meta device.
 
     example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments, as the
-        model is called in training (include labels if the model computes its loss from them). Only
-        their shapes and dtypes are used; floating ones are cast to `dtype` as the engine does.
+        model is called in training (include labels if the model computes its loss from them): their
+        shapes and dtypes, floating ones cast to `dtype` as the engine does, and what the model reads
+        of their values (input_values.py: a label check, a branch on the attention mask).
     dtype: the compute dtype (torch.float32/bfloat16/float16 or 'fp32'/'bf16'/'fp16').
     loss_fn: maps the model's output to the scalar loss (default: see `default_loss`).
     device: the device that will train ('cuda' or 'cpu'; default: CUDA when present): operators
@@ -200,7 +207,8 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     t0 = time.perf_counter()
     args, kwargs = _split_inputs(example_inputs)
-    args, kwargs = tree_map(lambda x: _to_meta(x, dtype), (args, kwargs))
+    values = InputValues()  # what the model reads of its inputs and buffers: see input_values.py
+    args, kwargs = tree_map(lambda x: _to_meta(x, dtype, values), (args, kwargs))
 
     # Meta copies of parameters (in the compute dtype) and buffers, swapped into the modules' entries
     # for the whole step (backward re-runs checkpointed forwards); tied parameters share one copy.
@@ -222,7 +230,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
                     new = meta_of[id(t)]
                 else:
                     buffer_bytes += t.numel() * t.element_size()
-                    new = _to_meta(t, t.dtype)
+                    new = _to_meta(t, t.dtype, values)
                 swaps.append((entries, n, t, new))
     tied_numel -= sum(i.numel for i in infos)
     known = {local(new).untyped_storage()._cdata for *_, new in swaps}
@@ -289,7 +297,7 @@ def profile(model: nn.Module, example_inputs, *, dtype: torch.dtype | str = torc
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    live = LiveBytes(known)
+    live = LiveBytes(known, values)
     was_training = model.training
     model.train()
     for entries, n, _, new in swaps:

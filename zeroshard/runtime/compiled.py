@@ -1,7 +1,7 @@
 """torch.compile under zeroshard (config `compile`): which code a graph holds, and why.
 
 Each layer block's forward is compiled (units.layer_blocks: the modules of the model's ModuleList of
-same-class layers; at stage 3 also any leaf_modules); a model without such blocks has its whole
+layers; at stage 3 also any leaf_modules); a model without such blocks has its whole
 forward compiled (at stages 0-2), and so does one whose blocks would buy nothing (Note: one chunk).
 The forward function itself, not the module's call: a module's hooks stay outside its graph, as
 FSDP2's users compile each block they shard.
