@@ -362,7 +362,7 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
     either way). In step 1, optimizer.zero_grad() between two backwards drops the first, as in
     torch. torch.nn.utils.clip_grad_norm_ before the step clips as torch's does (it used to raise:
     the gradients are not in .grad), given the model's parameters (SGD) or the optimizer's (AdamW,
-    which lists master pieces); its norms are torch's. optimizer.step(closure) raises ValueError on
+    which lists master pieces); its norms are torch's. optimizer.step(closure) raises EngineCallError on
     every rank, and torch's GradScaler (which unscales .grad, where there is none)
     GradientsInChunksError."""
     data = batches(4, world, 2, accumulation=2)

@@ -90,7 +90,8 @@ class _Failing(torch.optim.SGD):
 
 
 def delayed_step_failure(rank, world):
-    """An exception in the background step is raised by the next step(), on every rank."""
+    """An exception in the background step is raised by the next step(), on every rank, as it is (its
+    type, with a note saying where it was raised)."""
     data = batches(5, world, 2)
     engine = zeroshard.initialize(tiny_gpt2(), lambda ps: _Failing(ps, lr=0.05),
                                   {"stage": 2, "chunk_size": 20000, "offload_optimizer": True,
@@ -100,8 +101,8 @@ def delayed_step_failure(rank, world):
         engine.backward(engine(input_ids=step[0][rank], labels=step[0][rank]).loss)
         try:
             engine.step()
-        except RuntimeError as e:
-            out = {"raised": str(e), "at_step": k}
+        except ValueError as e:
+            out = {"raised": str(e), "type": type(e).__name__, "notes": getattr(e, "__notes__", []), "at_step": k}
             break
         engine.optimizer.param_groups[0]["fail"] = k == 2  # the update launched at step 3 fails
     return out

@@ -190,3 +190,34 @@ def test_no_module_reads_another_objects_private_attributes():
                 if name in OWNED:
                     reads.append(f"{m} line {node.lineno}: {ast.unparse(node)}")
     assert not reads, "another object's private attributes used:\n  " + "\n  ".join(reads)
+
+
+# Built-in exceptions the package may raise itself, each for a reason: a protocol that names the
+# type (attribute lookup), a missing optional dependency, or the very error plain PyTorch or
+# Lightning raises for the same user code, which that code may already catch.
+BUILTIN_ALLOWED = {
+    ("engine", "AttributeError"): "Engine.__getattr__: Python's attribute protocol",
+    ("telemetry.timeline", "ImportError"): "matplotlib, an optional dependency, is missing",
+    ("integrations.lightning", "TypeError"): "storage_options, refused with the TypeError Lightning's own "
+                                             "checkpoint IO raises",
+    ("optim.window_gradients", "RuntimeError"): "clip_grad_norm_(error_if_nonfinite=True): torch's own RuntimeError",
+    ("runtime.saved_tensors", "RuntimeError"): "a saved tensor modified in place: autograd's own RuntimeError",
+    ("optim.cpu_adam", "RuntimeError"): "sparse gradients: the RuntimeError of torch's own Adam",
+    ("files.checkpoint_files", "ValueError"): "checks of a checkpoint's metadata, caught where it is read and "
+                                              "raised as CheckpointError naming the file",
+}
+
+
+def test_every_error_raised_on_purpose_is_named():
+    """errors.py: what zeroshard raises on purpose is a ZeroShardError (named, one base to catch),
+    not a bare built-in, but for BUILTIN_ALLOWED."""
+    import builtins
+    bare = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type) and issubclass(getattr(builtins, n), BaseException)}
+    found = []
+    for m, path in modules(os.path.dirname(zeroshard.__file__)).items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            exc = node.exc.func if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) else \
+                node.exc if isinstance(node, ast.Raise) else None
+            if isinstance(exc, ast.Name) and exc.id in bare and (m, exc.id) not in BUILTIN_ALLOWED:
+                found.append(f"{m} line {node.lineno}: raise {exc.id}")
+    assert not found, "bare built-in errors (raise one of errors.py's):\n  " + "\n  ".join(found)

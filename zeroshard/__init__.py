@@ -37,10 +37,10 @@ import torch
 from .config import Config, load_config
 from .optim.cpu_adam import CPUAdamW
 from .engine import Engine
-from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, FrozenParameterError,
-                     GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError, PeerLostError,
-                     PeerLostInCheckpointError, ShardedParameterError, TierFileError, UninitializedTensorError,
-                     UnsupportedModelError, WeightsError, ZeroShardError)
+from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, EngineCallError,
+                     FrozenParameterError, GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError,
+                     PeerLostError, PeerLostInCheckpointError, PlanError, ShardedParameterError, TierFileError,
+                     UninitializedTensorError, UnsupportedModelError, WeightsError, ZeroShardError)
 from .planning.profiler import Profile, profile
 from .distributed.tensor_parallel import device_mesh
 
@@ -71,10 +71,10 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
-           "CheckpointError", "CollectiveTimeoutError", "DivergedError", "FrozenParameterError",
+           "CheckpointError", "CollectiveTimeoutError", "DivergedError", "EngineCallError", "FrozenParameterError",
            "GradientsInChunksError", "ModuleCopyError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
            "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError",
-           "UnsupportedModelError", "WeightsError", "ConfigError", "ZeroShardError"]
+           "UnsupportedModelError", "WeightsError", "ConfigError", "PlanError", "ZeroShardError"]
 
 
 def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | str | os.PathLike | None = None,
@@ -111,7 +111,7 @@ def initialize(model: torch.nn.Module, optimizer=None, config: Config | dict | s
     world is this one process.
     """
     if optimizer is not None and not callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError("zeroshard.initialize: optimizer must be a torch.optim.Optimizer over the model's "
+        raise ConfigError("zeroshard.initialize: optimizer must be a torch.optim.Optimizer over the model's "
                          "parameters, a callable taking a list of tensors (e.g. lambda ps: "
                          "torch.optim.AdamW(ps, lr=1e-3)), or None")
     cfg = load_config(config)

@@ -24,7 +24,7 @@ from .engine_io import EngineIO, TrainingPhase
 from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
-from .errors import ConfigError, GradientsInChunksError, invariant
+from .errors import ConfigError, EngineCallError, GradientsInChunksError, invariant
 from .optim.user_calls import refuse_clip_call, route_optimizer_calls
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
@@ -185,7 +185,7 @@ class Engine(EngineIO):
         if self._compiler is None:
             raise ConfigError("zeroshard: compile_with needs config compile on (it picks what is compiled)")
         if self.compiled is not None:
-            raise RuntimeError("zeroshard: compile_with after the model was compiled")
+            raise EngineCallError("zeroshard: compile_with after the model was compiled")
         self._compiler = compiler
 
     def thaw(self, names=frozenset()) -> None:
@@ -240,7 +240,7 @@ class Engine(EngineIO):
         """Backward of `loss` (the mean loss of this rank's micro-batch). `loss.backward()` does the
         same except with fp16, whose loss scaling needs this method."""
         if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: backward() called while the engine is in {self.phase.value} (an "
+            raise EngineCallError(f"zeroshard: backward() called while the engine is in {self.phase.value} (an "
                                "earlier backward was interrupted, or backward was called inside forward)")
         self.meter.loss(loss)
         if self.scaler is not None:
@@ -284,10 +284,10 @@ class Engine(EngineIO):
                 "applies at the step, to the gradients it measured; call it after the window's last backward")
         if by_autograd:  # the first gradient of a plain `loss.backward()`
             if self.scaler is not None:
-                raise RuntimeError("zeroshard: with precision 'fp16' call engine.backward(loss), not "
+                raise EngineCallError("zeroshard: with precision 'fp16' call engine.backward(loss), not "
                                    "loss.backward(): the loss must be scaled (dynamic loss scaling)")
             if self.phase is not TrainingPhase.IDLE:
-                raise RuntimeError(f"zeroshard: a backward started while the engine is in {self.phase.value}")
+                raise EngineCallError(f"zeroshard: a backward started while the engine is in {self.phase.value}")
             # Autograd runs this once the whole backward pass is done, before backward() returns.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         invariant(self.phase is TrainingPhase.IDLE, lambda: f"a backward began in {self.phase}")

@@ -14,6 +14,7 @@ from .runtime.module_state import full_parameters
 from .state.view import TrainingState
 from .telemetry.stats import model_state_bytes
 from .telemetry.timeline import MemoryTimeline
+from .errors import EngineCallError
 
 
 class TrainingPhase(enum.Enum):
@@ -32,7 +33,7 @@ class EngineIO:
 
     def _expect_idle(self, call: str) -> None:
         if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: {call} called while the engine is in {self.phase.value}")
+            raise EngineCallError(f"zeroshard: {call} called while the engine is in {self.phase.value}")
 
     def _state_view(self) -> TrainingState:
         """What state/ reads of this engine for one save, load or export (state/view.py)."""
@@ -110,7 +111,7 @@ class EngineIO:
         is left as it is, as load_state_dict leaves it. Returns the match (`.missing`, `.unexpected`)."""
         from .state.pretrained import load_weights
         if not self._before_load():
-            raise RuntimeError("zeroshard: load_weights inside full_parameters(); load after it")
+            raise EngineCallError("zeroshard: load_weights inside full_parameters(); load after it")
         return load_weights(self._state_view(), path, strict)
 
     def save_pretrained(self, path, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None,
@@ -164,7 +165,7 @@ class EngineIO:
         no forward, backward or step inside it (FSDP's summon_full_params, DeepSpeed's
         GatheredParameters)."""
         if self.phase is not TrainingPhase.IDLE:
-            raise RuntimeError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
+            raise EngineCallError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
         self._quiesce()
         with full_parameters(self.layout, self.hooks, self.params, writeback):
             self.phase = TrainingPhase.FULL_PARAMETERS

@@ -11,8 +11,23 @@ class ZeroShardError(Exception):
 
 
 class ConfigError(ZeroShardError, ValueError):
-    """A config that cannot be used: an unknown key, a bad value, a file that does not parse or does
-    not exist. The message names the key or the file."""
+    """A config or an argument that cannot be used: an unknown key, a bad value, a file that does not
+    parse or does not exist, an optimizer or a tensor-parallel split that does not fit the model.
+    The message names the key, the argument or the file."""
+
+
+class EngineCallError(ZeroShardError, RuntimeError):
+    """A call the engine cannot take as it was made: in the wrong phase (a backward inside a forward
+    or another backward, a state call during a step, load_weights inside full_parameters(),
+    compile_with after compiling, a collective after the process groups were taken down) or the
+    wrong way (loss.backward() where fp16's loss scaling needs engine.backward(loss), a step with
+    a closure, load_state_dict(assign=True), the integrations' optimizer state_dict). The message
+    says which call to make instead."""
+
+
+class PlanError(ZeroShardError, RuntimeError):
+    """offload/stage "auto" found no plan: the profile of the model on the meta device failed (its
+    error is named), or no configuration fits the memory (the message says what each needs)."""
 
 
 class DivergedError(ZeroShardError, RuntimeError):

@@ -32,6 +32,7 @@ from .works import Then, Timed, finish_held, staged
 from .ordering import (FAILED_STEP, OTHER, OrderCheck, Sequencer, check_group, collective_timeout,
                        describe_tag, forget_check_groups, has_check_group, order_tag, set_collective_timeout,
                        wait_for, waiting)
+from ..errors import EngineCallError
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases (the CUDA images in use
 # carry 2.11) have only the old names, with the same arguments.
@@ -241,7 +242,7 @@ class Comm:
 
     def _refuse_if_closed(self) -> None:
         if self.closed:
-            raise RuntimeError("zeroshard: a collective after the process groups were taken down at interpreter exit")
+            raise EngineCallError("zeroshard: a collective after the process groups were taken down at interpreter exit")
 
     def _where(self) -> str:
         return f" at optimizer step {self.step}"

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .collectives import Comm, default_device, init_process_group
+from ..errors import ConfigError
 
 _meshes: dict[tuple[str, int], DeviceMesh] = {}
 
@@ -37,11 +38,11 @@ def device_mesh(tensor_parallel: int, device: torch.device | None = None) -> Dev
     config={"tensor_parallel": N, ...})`, which finds the same mesh. Made once per process."""
     device = device or default_device()
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
-        raise ValueError(f"zeroshard: tensor_parallel={tensor_parallel!r}: give the number of ranks per TP group")
+        raise ConfigError(f"zeroshard: tensor_parallel={tensor_parallel!r}: give the number of ranks per TP group")
     init_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % tensor_parallel:
-        raise ValueError(f"zeroshard: tensor_parallel={tensor_parallel} does not divide the world of {world} ranks")
+        raise ConfigError(f"zeroshard: tensor_parallel={tensor_parallel} does not divide the world of {world} ranks")
     key = (device.type, tensor_parallel)
     if key not in _meshes:
         _meshes[key] = init_device_mesh(device.type, (world // tensor_parallel, tensor_parallel),
@@ -137,12 +138,12 @@ class TensorParallel:
         self.world_comm = Comm(device)  # every rank: errors that stop all, files shared out over all
         split = [(n, p) for n, p in module.named_parameters() if isinstance(p, DTensor)]
         if not split:
-            raise ValueError(f"zeroshard: tensor_parallel={degree} but no parameter of the model is a DTensor: "
+            raise ConfigError(f"zeroshard: tensor_parallel={degree} but no parameter of the model is a DTensor: "
                              "split it first with parallelize_module(model, zeroshard.device_mesh"
                              f"({degree})['tp'], plan)")
         for name, p in split:
             if p.device_mesh != tp_mesh:
-                raise ValueError(f"zeroshard: parameter {name} is split over {p.device_mesh}, not over "
+                raise ConfigError(f"zeroshard: parameter {name} is split over {p.device_mesh}, not over "
                                  f"zeroshard.device_mesh({degree})['tp'] ({tp_mesh}): zeroshard would shard it over "
                                  "the wrong data-parallel group")
 

@@ -126,7 +126,7 @@ class Piece:
         for offsets, sizes, at in self.boxes:
             if offsets == torch.Size(index.offset):
                 return self._box(offsets, sizes, at)
-        raise ValueError(f"zeroshard: no box of {index.fqn} starts at {tuple(index.offset)}")
+        raise CheckpointError(f"zeroshard: no box of {index.fqn} starts at {tuple(index.offset)}")
 
 
 class LazyPiece(Piece):

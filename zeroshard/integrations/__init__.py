@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from ..config import Config, load_config
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError, EngineCallError
 
 # engine.stats() keys both integrations log as `zeroshard/<key>` (stats.py documents each)
 LOGGED = ("step_time_s", "tokens_per_s", "samples_per_s", "skipped_steps", "model_state_bytes", "cache_peak_bytes",
@@ -56,16 +56,16 @@ class EngineOptimizer:
 
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("zeroshard: the engine's step takes no closure (its gradients come from backward)")
+            raise EngineCallError("zeroshard: the engine's step takes no closure (its gradients come from backward)")
         self.step_was_skipped = not self.engine.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(set_to_none)
 
     def state_dict(self):
-        raise RuntimeError("zeroshard: the optimizer state is sharded; it is saved with the engine's checkpoint "
+        raise CheckpointError("zeroshard: the optimizer state is sharded; it is saved with the engine's checkpoint "
                            "(engine.save_checkpoint), which the integrations' checkpoints use")
 
     def load_state_dict(self, state_dict):
-        raise RuntimeError("zeroshard: the optimizer state is sharded; load it with the engine's checkpoint "
+        raise CheckpointError("zeroshard: the optimizer state is sharded; load it with the engine's checkpoint "
                            "(engine.load_checkpoint)")

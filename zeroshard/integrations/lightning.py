@@ -51,6 +51,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import zeroshard
 from ..config import Config, load_config
 from . import LOGGED, EngineOptimizer, reconcile
+from ..errors import ConfigError, EngineCallError
 
 PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
              "16-true": "fp16"}
@@ -92,11 +93,11 @@ class ZeroShardStrategy(DDPStrategy):
         contradicts it raises ValueError (reconcile)."""
         precision = PRECISION.get(str(self.precision_plugin.precision))
         if precision is None:
-            raise ValueError(f"zeroshard: Lightning precision {self.precision_plugin.precision!r} is not supported; "
+            raise ConfigError(f"zeroshard: Lightning precision {self.precision_plugin.precision!r} is not supported; "
                              f"use one of {sorted(PRECISION)}")
         algorithm = trainer.gradient_clip_algorithm  # None (norm), or Lightning's enum or string
         if trainer.gradient_clip_val and str(getattr(algorithm, "value", algorithm) or "norm") != "norm":
-            raise ValueError("zeroshard: gradient_clip_algorithm='value' needs whole gradients, which are sharded; "
+            raise ConfigError("zeroshard: gradient_clip_algorithm='value' needs whole gradients, which are sharded; "
                              "clip by norm (the default)")
         decided = {"gradient_accumulation_steps": 1}
         if precision != "fp32":  # Lightning's default "32-true" leaves the config's precision standing
@@ -110,14 +111,14 @@ class ZeroShardStrategy(DDPStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         if self.accelerator is None or self.model is None:  # Lightning connects both before setup
-            raise RuntimeError("zeroshard: ZeroShardStrategy.setup before the Trainer connected an accelerator and "
+            raise EngineCallError("zeroshard: ZeroShardStrategy.setup before the Trainer connected an accelerator and "
                                "a model: pass the strategy to a lightning Trainer")
         self.accelerator.setup(trainer)
         if self.engine is None:  # the first fit/validate/test/predict makes it; later ones reuse it
             cfg = self._engine_config(trainer)
             self.setup_optimizers(trainer)  # configure_optimizers: the engine adopts the optimizer
             if len(self.optimizers) > 1:
-                raise ValueError(f"zeroshard: configure_optimizers must return one optimizer, not {len(self.optimizers)}")
+                raise ConfigError(f"zeroshard: configure_optimizers must return one optimizer, not {len(self.optimizers)}")
             optimizer = self.optimizers[0] if self.optimizers else None
             # zeroshard's own precision: no autocast, no GradScaler from Lightning's plugin
             plugin = Precision()
@@ -142,7 +143,7 @@ class ZeroShardStrategy(DDPStrategy):
             return None
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is None:
-            raise ValueError("zeroshard: offload/stage 'auto' profiles the LightningModule's forward before "
+            raise ConfigError("zeroshard: offload/stage 'auto' profiles the LightningModule's forward before "
                              "training: set its example_input_array (one micro-batch as forward takes it, e.g. "
                              "{'input_ids': x, 'labels': x}; only shapes and dtypes are used)")
         return example

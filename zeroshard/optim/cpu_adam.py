@@ -19,6 +19,7 @@ import logging
 import os
 
 import torch
+from ..errors import ConfigError
 
 log = logging.getLogger("zeroshard")
 
@@ -69,11 +70,11 @@ class CPUAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         if not lr >= 0:
-            raise ValueError(f"CPUAdamW: lr must be >= 0, got {lr}")
+            raise ConfigError(f"CPUAdamW: lr must be >= 0, got {lr}")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"CPUAdamW: betas must be in [0, 1), got {betas}")
+            raise ConfigError(f"CPUAdamW: betas must be in [0, 1), got {betas}")
         if not eps >= 0 or not weight_decay >= 0:
-            raise ValueError(f"CPUAdamW: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
+            raise ConfigError(f"CPUAdamW: eps and weight_decay must be >= 0, got {eps}, {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.copy_targets: dict[int, torch.Tensor] = {}
         self.copied: set[int] = set()

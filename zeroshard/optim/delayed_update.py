@@ -95,9 +95,9 @@ class DelayedUpdate:
         self.update = UpdateState.IDLE
         if isinstance(outcome, (PeerLostError, DivergedError)):  # named already, for every rank alike
             raise outcome
-        if isinstance(outcome, BaseException):
-            raise RuntimeError("zeroshard: the delayed optimizer step failed in its background thread: "
-                               f"{type(outcome).__name__}: {outcome}") from outcome
+        if isinstance(outcome, BaseException):  # raised as it is (its type is what callers catch), and said where
+            outcome.add_note("zeroshard: raised by the delayed optimizer step, in its background thread")
+            raise outcome
         applied, overflow, norm, changed = outcome
         self.optimizer.__dict__.update(changed)
         self._account(applied, overflow, norm)

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from ..errors import NonFiniteError, TierFileError
+from ..errors import InternalError, NonFiniteError, TierFileError
 from .grad_views import GradViews
 from .grad_agreement import agree_grads, replicated_grads, scale_in_place, start_agreeing
 from .loss_scale import LossScaler
@@ -127,7 +127,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
                                            lambda: self._before_state_load(), tiered=self.tier is not None,
                                            before_save=self._take_groups_when_idle)
         elif self.applied_updates and self.optimizer.state:
-            raise RuntimeError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
+            raise InternalError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
         self._build_tiles(self.optimizer)
         self._writes.watch(self.chunks)
@@ -155,7 +155,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         groups with no state, as torch starts a parameter it has not stepped; the others keep
         theirs. `chunks`: every chunk, in layout order. No delayed update may be in flight."""
         if self.update is not UpdateState.IDLE:
-            raise RuntimeError("zeroshard: land the delayed update before adopting chunks")
+            raise InternalError("zeroshard: land the delayed update before adopting chunks")
         self.chunks = [c for c in chunks if c.trainable]
         self._views.retain(self.chunks)
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
@@ -191,7 +191,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         checkpoint's, loaded after this). A parameter frozen at initialize joins once unfrozen
         (adopt), its chunk being frozen until then. No delayed update may be in flight."""
         if self.update is not UpdateState.IDLE:
-            raise RuntimeError("zeroshard: land the delayed update before taking added param groups")
+            raise InternalError("zeroshard: land the delayed update before taking added param groups")
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces], new=[])
         self._build_tiles(self.optimizer)
 

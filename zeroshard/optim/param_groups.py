@@ -18,7 +18,7 @@ import inspect
 
 import torch
 
-from ..errors import FrozenParameterError
+from ..errors import ConfigError, FrozenParameterError
 from ..runtime.placeholder import real_parameter
 
 
@@ -49,7 +49,7 @@ class ParamGroups:
             given = [pc.param for pc in pieces] or [torch.nn.Parameter(torch.empty(0))]
             opt = self.user_optimizer(given)
             if not isinstance(opt, torch.optim.Optimizer):
-                raise ValueError("zeroshard: optimizer must be a torch.optim.Optimizer or a callable returning "
+                raise ConfigError("zeroshard: optimizer must be a torch.optim.Optimizer or a callable returning "
                                  f"one, got {type(opt).__name__}")
             param_of = {id(pc.param): pc.slot.param for pc in pieces}
             if all(id(p) in param_of or p is given[0] for g in opt.param_groups for p in g["params"]):
@@ -89,7 +89,7 @@ class ParamGroups:
                     "(frozen ones included, in the groups they should train in), as gradual unfreezing in plain "
                     "PyTorch needs")
             if g is None and self._by_position:
-                raise RuntimeError("zeroshard: the optimizer callable built several param groups from the tensors "
+                raise ConfigError("zeroshard: the optimizer callable built several param groups from the tensors "
                                    "it was given, and chunks were re-packed since: pass a torch optimizer built "
                                    "over the model's parameters (any groups) instead")
             if g is not None:  # a trainable parameter the optimizer does not hold: never stepped, as in torch
@@ -118,10 +118,10 @@ class ParamGroups:
         for i in range(self.known_groups, len(opt.param_groups)):
             for p in map(real_parameter, opt.param_groups[i]["params"]):
                 if id(p) not in self.names:
-                    raise ValueError(f"zeroshard: optimizer.add_param_group was given a tensor of shape "
+                    raise ConfigError(f"zeroshard: optimizer.add_param_group was given a tensor of shape "
                                      f"{tuple(p.shape)} that is not a parameter of the model")
                 if id(p) in self.group_of or id(p) in joined:
-                    raise ValueError(f"zeroshard: optimizer.add_param_group was given parameter "
+                    raise ConfigError(f"zeroshard: optimizer.add_param_group was given parameter "
                                      f"{self.names[id(p)]}, which is already in a param group")
                 joined[id(p)] = i
         self.group_of.update(joined)
@@ -136,11 +136,11 @@ def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int,
     for i, g in enumerate(opt.param_groups):
         for p in g["params"]:
             if id(p) not in names:
-                raise ValueError(f"zeroshard: the optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
+                raise ConfigError(f"zeroshard: the optimizer holds a tensor of shape {tuple(p.shape)} that is not a "
                                  "parameter of the model: build it over the model's parameters (any param "
                                  "groups), or pass a callable that takes the tensors zeroshard gives it")
             if id(p) in group_of:
-                raise ValueError(f"zeroshard: parameter {names[id(p)]} is in two param groups of the optimizer")
+                raise ConfigError(f"zeroshard: parameter {names[id(p)]} is in two param groups of the optimizer")
             group_of[id(p)] = i
     return group_of
 
@@ -148,7 +148,7 @@ def owned_groups(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[int,
 def _check_fresh(opt: torch.optim.Optimizer) -> None:
     """Raise ValueError if `opt` holds more state than it made when built (it has stepped)."""
     if opt.state and not _same_state(opt.state, state_at_build(opt, [g["params"] for g in opt.param_groups])):
-        raise ValueError("zeroshard: the optimizer already has state (it has stepped): pass a fresh one, and "
+        raise ConfigError("zeroshard: the optimizer already has state (it has stepped): pass a fresh one, and "
                          "restore optimizer state with engine.load_checkpoint")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import types
 
-from ..errors import GradientsInChunksError
+from ..errors import EngineCallError, GradientsInChunksError
 
 
 def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
@@ -39,7 +39,7 @@ def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
                 "zeroshard's chunks: use config precision='fp16' with engine.backward(loss) (its own dynamic loss "
                 "scaling), or precision='bf16', which needs none")
         if closure is not None:
-            raise ValueError("zeroshard: optimizer.step(closure) re-evaluates the loss inside the step, which the "
+            raise EngineCallError("zeroshard: optimizer.step(closure) re-evaluates the loss inside the step, which the "
                              "engine's step cannot (its gradients come from the backward before it)")
         step()
         return None

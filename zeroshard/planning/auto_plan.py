@@ -8,6 +8,7 @@ import torch
 
 from .planner import Plan, Planner, Target
 from .profiler import Profile
+from ..errors import ConfigError, PlanError
 
 
 def plan_for(module, example_inputs, make_opt, config, device, comm, every=None, leaves=()) -> tuple[Plan, Profile]:
@@ -22,7 +23,7 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None,
     from .profiler import profile
 
     if example_inputs is None:
-        raise ValueError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
+        raise ConfigError("zeroshard: offload/stage 'auto' profiles the model before training: pass "
                          "example_inputs=... to zeroshard.initialize (one micro-batch as the model is "
                          "called, e.g. {'input_ids': x, 'labels': x})")
     dtype = config.dtype
@@ -50,7 +51,7 @@ def plan_for(module, example_inputs, make_opt, config, device, comm, every=None,
         mine = (best, prof, None if best.fits else planner.why_nothing_fits(best))
     best, prof, why = every.broadcast_object(mine)
     if why is not None:
-        raise RuntimeError(f"zeroshard: {why}")
+        raise PlanError(f"zeroshard: {why}")
     return best, prof
 
 

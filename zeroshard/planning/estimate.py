@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
+from ..errors import ConfigError
 
 OPTIMIZER_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -61,15 +62,15 @@ def per_param(stage: int, world: int, precision: str = "bf16", optimizer: str = 
     """(device, host) bytes per parameter of the model on one rank: `world` data-parallel ranks,
     each parameter split over `mp` tensor-parallel ranks."""
     if not isinstance(mp, int) or mp < 1:
-        raise ValueError(f"mp (the tensor-parallel degree) must be an integer >= 1, got {mp!r}")
+        raise ConfigError(f"mp (the tensor-parallel degree) must be an integer >= 1, got {mp!r}")
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0-3, got {stage}")
+        raise ConfigError(f"stage must be 0-3, got {stage}")
     if offload not in OFFLOADS:
-        raise ValueError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
+        raise ConfigError(f"offload must be one of {', '.join(map(repr, OFFLOADS))}, got {offload!r}")
     if offload != "none" and stage == 0:
-        raise ValueError("offload needs stage >= 1")
+        raise ConfigError("offload needs stage >= 1")
     if "params" in offload and stage != 3:
-        raise ValueError("offloading parameters needs stage 3")
+        raise ConfigError("offloading parameters needs stage 3")
     p = g = COMPUTE_BYTES[precision]
     k = OPTIMIZER_BYTES[optimizer] + (4 if precision != "fp32" else 0)
     n = world
@@ -114,7 +115,7 @@ def activation_checkpoint_bytes(layers: int, batch: int, seq: int, hidden: int, 
     each block's input: replicated on the `mp` tensor-parallel ranks, or with P_a (`partitioned`)
     1/mp each, on the host with P_a+cpu (`on_host`)."""
     if on_host and not partitioned:
-        raise ValueError("P_a+cpu offloads the partitioned checkpoints: on_host needs partitioned")
+        raise ConfigError("P_a+cpu offloads the partitioned checkpoints: on_host needs partitioned")
     total = layers * batch * seq * hidden * COMPUTE_BYTES[precision]
     mine = total / mp if partitioned else total
     return (0.0, mine) if on_host else (mine, 0.0)

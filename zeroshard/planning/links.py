@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from ..errors import ConfigError
 
 LAYOUTS = ("full sharding", "HSDP (node)", "hpZ (node)")
 FRAGMENTATION = 0.95
@@ -128,7 +129,7 @@ def volumes(layout: str, psi: float, world: int, group: int, accumulation: int, 
         return {"W": 0.0, "G": gathers + k * psi, "replicas": 2 * psi / group}
     if layout == "hpZ (node)":
         return {"W": psi + k * psi, "G": gathers - psi, "replicas": 0.0}
-    raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    raise ConfigError(f"unknown layout {layout!r}; one of {LAYOUTS}")
 
 
 def predict(layout: str, nodes: int, job: Job, links: Links, regather: bool) -> Prediction:

@@ -35,6 +35,7 @@ from ..distributed.tensor_parallel import as_dtensor, local, local_shape
 from .input_values import InputValues
 from .meta_counters import AttentionAsOnDevice, AutocastOnMeta, LiveBytes, SavedBytes
 from ..units import BackwardHolds, direct_params, leaf_modules, refuse_untrainable, unit_members
+from ..errors import ConfigError
 
 log = logging.getLogger("zeroshard")
 
@@ -182,7 +183,7 @@ def default_loss(out) -> torch.Tensor:
     for t in flat:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
             return t.float().sum()
-    raise ValueError("zeroshard.profile: the model's output has no floating tensor that requires grad; "
+    raise ConfigError("zeroshard.profile: the model's output has no floating tensor that requires grad; "
                      "pass loss_fn=... to say how to get the loss")
 
 

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import TierFileError, invariant
+from ..errors import ConfigError, InternalError, TierFileError, invariant
 from ..files.tier_files import IoMeter, TierFile, aligned_buffer, reclaim_stale
 
 MASTER = "master"
@@ -106,7 +106,7 @@ class DiskTier:
     def __init__(self, directory: str, rank: int, frames: int = FRAMES, threads: int = 2,
                  holding: Holding = MASTERS):
         if frames < 2:
-            raise ValueError("zeroshard: the disk tier needs at least 2 frames")
+            raise ConfigError("zeroshard: the disk tier needs at least 2 frames")
         self.directory = directory
         self.rank = rank
         self.holding = holding
@@ -241,7 +241,7 @@ class DiskTier:
             self._release(s)
             return s
         if block:
-            raise RuntimeError("zeroshard: every disk tier frame is open: too many chunks open at once")
+            raise InternalError("zeroshard: every disk tier frame is open: too many chunks open at once")
         return None
 
     def _start_read(self, frame: Frame, c, states: bool = True) -> None:
@@ -287,7 +287,7 @@ class DiskTier:
         record = self.record_of[id(c)]
         frame = self.frame_of.get(record)
         if frame is not None and frame.state is FrameState.OPEN:
-            raise RuntimeError(f"zeroshard: chunk {c.index}'s disk tier record is open already")
+            raise InternalError(f"zeroshard: chunk {c.index}'s disk tier record is open already")
         if frame is not None and frame.state is FrameState.WRITING:
             self._finish(frame)  # on disk now: read back below (verified, as any other read)
             frame = None

@@ -20,6 +20,7 @@ from ..distributed.collectives import Comm
 from .hooks import FirstUseRecorder
 from ..units import direct_params
 from .offload import Placement, Transfer
+from ..errors import UnsupportedModelError
 
 log = logging.getLogger("zeroshard")
 
@@ -31,7 +32,7 @@ def list_parameters(module: nn.Module) -> tuple[list[nn.Parameter], dict[int, st
         names[id(p)] = name
         params.append(p)
     if not params:
-        raise ValueError("zeroshard: the model has no parameters")
+        raise UnsupportedModelError("zeroshard: the model has no parameters")
     return params, names
 
 

@@ -68,7 +68,7 @@ class _Writes(TorchDispatchMode):
                 if isinstance(v, torch.Tensor) and not v.is_meta:
                     flat, _ = tree_flatten((args, kwargs))
                     if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
-                        raise RuntimeError(f"{func} writes a real tensor from the value of a tensor still on "
+                        raise UninitializedTensorError(f"{func} writes a real tensor from the value of a tensor still on "
                                            "the meta device")
                     self.storages.add(v.untyped_storage().data_ptr())
         return func(*args, **kwargs)

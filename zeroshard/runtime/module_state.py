@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import ModuleCopyError, ModuleMovedError
+from ..errors import EngineCallError, ModuleCopyError, ModuleMovedError
 from .chunks import ChunkState
 from .hooks import Stage3Hooks
 from ..units import direct_params
@@ -60,7 +60,7 @@ class StateDictLoading:
 
     def _pre_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError("zeroshard: load_state_dict(..., assign=True) would put new tensors in place of the "
+            raise EngineCallError("zeroshard: load_state_dict(..., assign=True) would put new tensors in place of the "
                                "parameters zeroshard shards and trains; load without assign=True")
         if not self.before_load():
             return

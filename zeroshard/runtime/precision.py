@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..units import direct_params
+from ..errors import ConfigError
 
 
 def cast_buffers(module: nn.Module, dtype: torch.dtype, policy: str) -> None:
@@ -29,7 +30,7 @@ def cast_buffers(module: nn.Module, dtype: torch.dtype, policy: str) -> None:
         norms = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._NormBase)
                  and m.track_running_stats]
         if norms:
-            raise ValueError(f"zeroshard: buffer_dtype='fp32' with 16-bit parameters: {norms[0]} "
+            raise ConfigError(f"zeroshard: buffer_dtype='fp32' with 16-bit parameters: {norms[0]} "
                              f"({len(norms)} such) keeps running statistics that its kernel needs in its "
                              "parameters' dtype; use buffer_dtype='compute' (the default)")
         return

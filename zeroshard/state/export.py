@@ -264,7 +264,7 @@ class StreamedSafetensors:
         dtype, shape, first = self.entries[key]
         t = tensor.detach().to("cpu", dtype).contiguous()
         if tuple(t.shape) != shape:  # a checkpoint's parts that disagree (export), or a bug
-            raise ValueError(f"zeroshard: {key} has shape {tuple(t.shape)}, but the file's header says {shape}")
+            raise CheckpointError(f"zeroshard: {key} has shape {tuple(t.shape)}, but the file's header says {shape}")
         if t.numel():  # the tensor's bytes as they are in memory (little-endian, as safetensors wants)
             self.file.seek(self.data_start + first)
             self.file.write((ctypes.c_char * (t.numel() * dtype.itemsize)).from_address(t.data_ptr()))

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .export import StreamedSafetensors, remove_partials
 from ..distributed.tensor_parallel import region, whole_shape
-from ..errors import WeightsError
+from ..errors import ConfigError, WeightsError
 from ..files.weight_files import INDEX, WEIGHTS, Match, WeightFiles, raise_on_every_rank, match
 from .view import TrainingState
 
@@ -92,7 +92,7 @@ def shard_size(size: int | str) -> int:
     for unit, scale in units.items():
         if text.endswith(unit) and text[:-len(unit)].strip().replace(".", "", 1).isdigit():
             return int(float(text[:-len(unit)]) * scale)
-    raise ValueError(f"zeroshard: max_shard_size {size!r} is not bytes or a size such as '5GB'")
+    raise ConfigError(f"zeroshard: max_shard_size {size!r} is not bytes or a size such as '5GB'")
 
 
 def _file_names(n: int) -> list[str]:
