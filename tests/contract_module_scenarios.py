@@ -1,6 +1,6 @@
 """Contract scenarios on the wrapped model as a torch.nn.Module (contract_scenarios.py):
-load_state_dict after initialize, a parameter a forward returns, nn.MultiheadAttention, the
-module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
+load_state_dict after initialize, a parameter a forward returns, nn.MultiheadAttention, parameters
+read outside every forward (CLIP's contrastive loop, an EMA copy), the module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
 within an accumulation window.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import zeroshard
 from zeroshard.telemetry.stats import chunk_state_bytes
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import every_rank, shared_temp_dir
+from distributed import error_on_every_rank, every_rank, shared_temp_dir
 from models import batches, inputs, make_sgd, max_diff, parity, tiny_gpt2
 
 SCENARIOS = {}
@@ -127,6 +127,53 @@ for _stage in range(4):
     # summation order past the AdamW tolerance (6e-5 at world 2 at stage 0, DDP's own reduction).
     SCENARIOS[f"multihead_attention_adamw_stage{_stage}"] = (lambda rank, world, stage=_stage: multihead_attention(
         rank, world, lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-6, weight_decay=0.01), stage))
+
+
+# -- stage 3: parameters read outside every forward -----------------------------------------------------------
+class TwoTowers(torch.nn.Module):
+    """Trained as contrastive loops train CLIP (open_clip's): each tower through a method other than
+    forward, one of which reads the model's own parameter, and a loss that reads the model's
+    logit_scale itself, outside every forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.text, self.image = torch.nn.Linear(8, 16), torch.nn.Linear(6, 16)
+        self.image_scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.logit_scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def encode_text(self, x):
+        return torch.nn.functional.normalize(self.text(x), dim=-1)
+
+    def encode_image(self, x):
+        return torch.nn.functional.normalize(self.image(x), dim=-1) * self.image_scale
+
+
+def _contrastive(m, x, *_):
+    t, i = m.encode_text(x[:, :8]), m.encode_image(x[:, 8:])
+    logits = m.logit_scale.exp() * t @ i.T
+    y = torch.arange(len(x))
+    return (torch.nn.functional.cross_entropy(logits, y) + torch.nn.functional.cross_entropy(logits.T, y)) / 2
+
+
+def read_outside_forward(rank, world, make_opt, stage):
+    """At stage 3 CLIP's contrastive loop raised ShardedParameterError (logit_scale read by the
+    loss, image_scale by a method other than forward): it trains as in torch. So does reading every
+    parameter between steps (an EMA copy: the model's values), while a write into one there (the
+    gathered copy is not the master: the write would be lost) raises on every rank."""
+    cfg = {"stage": stage, "chunk_size": 200, **({"cache_chunks": 1} if stage == 3 else {})}
+    engine, diff = parity(rank, world, TwoTowers, _contrastive, inputs(3, world, 4, 14), make_opt, cfg)
+    with torch.no_grad():
+        copied = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out = {"diff": diff, "chunks": len(engine.chunks), "copied": max_diff(copied, engine.full_state_dict())}
+    if stage == 3:
+        out["write"] = error_on_every_rank(lambda: engine.module.text.weight.data.clamp_(-0.01, 0.01))
+        out["write_in_place"] = error_on_every_rank(lambda: engine.module.logit_scale.mul_(2))
+        out["unchanged"] = max_diff(copied, engine.full_state_dict())
+    return out
+
+
+per_optimizer_and_stage(SCENARIOS, "read_outside_forward", read_outside_forward)
 
 
 # -- the module's own API on the wrapped model ------------------------------------------------------------

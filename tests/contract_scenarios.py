@@ -249,10 +249,10 @@ def gradient_calls(rank, world, kind, stage, extra=None):
 
 
 def parameter_gradients(rank, world, stage):
-    """torch.autograd.grad of a loss w.r.t. the parameters themselves: at stages 0-2 each rank gets
-    its own batch's gradients, as plain PyTorch (and DDP, which reduces only what reaches .grad)
-    gives them, and no .grad changes. At stage 3 a parameter outside its module's forward is
-    sharded: ShardedParameterError on every rank, and the engine trains on after it."""
+    """torch.autograd.grad of a loss w.r.t. the parameters themselves: each rank gets its own
+    batch's gradients, as plain PyTorch (and DDP, which reduces only what reaches .grad) gives them,
+    no .grad changes, and the engine trains on after it; at stage 3 too (the parameters are
+    gathered for the call: read outside every forward)."""
     g = torch.Generator().manual_seed(8)
     xs, ys = torch.randn(2, world, 4, 8, generator=g), torch.randn(2, world, 4, 4, generator=g)
     engine = zeroshard.initialize(_mlp(), make_sgd, {"stage": stage, "chunk_size": 200})

@@ -14,7 +14,7 @@ Tolerances:
 import pytest
 
 from distributed import ok
-from models import ADAMW_TOL
+from models import ADAMW_TOL, TOL
 from scenarios import PARITY, SCENARIOS
 
 RESULTS = PARITY  # read by the `res` fixture (conftest.py)
@@ -136,10 +136,10 @@ def test_a_module_run_on_one_rank_trains_or_raises_diverged(res, stage):
         assert got["error"].startswith("DivergedError: zeroshard: ranks diverged"), got
 
 
-def test_parameter_read_outside_its_module_names_it(res):
+def test_a_parameter_read_outside_every_forward_trains_as_in_torch(res):
     r, _ = res
-    err = r["param_read_outside_forward"]["error"]
-    assert err.startswith("ShardedParameterError") and "head.weight" in err, err
+    got = ok(r, "param_read_outside_forward")
+    assert got["cacheNone"] <= TOL["sgd"] and got["cache1"] <= TOL["sgd"], got
 
 
 @pytest.mark.parametrize("stage", range(4))

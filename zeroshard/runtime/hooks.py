@@ -19,7 +19,11 @@ Outside its module's forward, a stage-3 parameter's entries hold a `ShardedPlace
 raises an error that names the parameter, instead of silently reading a freed buffer. One exception:
 a module whose forward reads a parameter of a submodule that does not run (nn.MultiheadAttention
 reads out_proj.weight) *borrows* it: the parameter is gathered on the spot, and from then on it belongs to the borrowing module's
-unit (gathered, held for backward and released with that module's own parameters).
+unit (gathered, held for backward and released with that module's own parameters). And a parameter
+read outside every forward (CLIP's logit_scale in the user's contrastive loss; a method other than
+forward reading its module's own) is read as if its unit were called around that one operation:
+gathered, released after it and gathered again for the backward of what it computed (Stage3Hooks.used).
+A write to it there is refused (the gathered copy is not the master: it would be lost).
 """
 from __future__ import annotations
 
@@ -147,7 +151,8 @@ class Stage3Hooks:
         self._ids: dict[nn.Module, set[int]] = {}  # unit -> ids of params_of(unit), made at its first use
         self.on_borrow = on_borrow
         self.on_leaf_backward = on_leaf_backward
-        borrow = weak_method(self.borrow)
+        borrow, used = weak_method(self.borrow), weak_method(self.used)
+        self._outside: list[nn.Module] = []  # units called around the one operation now reading their parameters
         # One placeholder per parameter, in every entry that holds it (tied weights): the module's
         # parameters() then lists it once, as torch lists a tied parameter once.
         stand_in: dict[int, ShardedPlaceholder] = {}
@@ -161,7 +166,7 @@ class Stage3Hooks:
                     t = stand_in.get(id(p))
                     if t is None:
                         t = stand_in[id(p)] = ShardedPlaceholder(p, shapes[id(p)], dtype, names[id(p)])
-                        t._zs_borrow, t._zs_param = borrow, p
+                        t._zs_borrow, t._zs_used, t._zs_param = borrow, used, p
                         self._entry[id(t)] = (m, n, p)
                     self.placeholders[m].append((n, t))
                     if id(p) not in seen:
@@ -203,13 +208,20 @@ class Stage3Hooks:
         """A module's own parameters (the real ones, whatever its entries hold now)."""
         return self.direct[module]
 
-    def borrow(self, placeholder: ShardedPlaceholder) -> nn.Parameter | None:
-        """The real parameter behind `placeholder`, gathered, if a unit's forward is running (None
-        otherwise): it joins the innermost running unit from now on."""
-        if not self.active:
-            return None
-        m = self.active[-1]
+    def borrow(self, placeholder: ShardedPlaceholder, writes: bool) -> nn.Parameter | None:
+        """The real parameter behind `placeholder`, gathered (None: refused). In a unit's forward it
+        joins the innermost running unit from now on; outside every forward its own unit is called
+        around the operation (`used` ends it), unless the operation `writes` into it."""
         owner, name, p = self._entry[id(placeholder)]
+        if not self.active or self.active[-len(self._outside):] == self._outside:
+            if writes or torch.compiler.is_compiling():
+                return None
+            unit = self.unit_of[owner]
+            if unit not in self.active:
+                self._pre_forward(unit, ())
+                self._outside.append(unit)
+            return p
+        m = self.active[-1]
         entries = self.borrowed.setdefault(m, [])
         if all(q is not p for _, _, q in entries):
             before = list(self.chunks_of(m))
@@ -222,6 +234,15 @@ class Stage3Hooks:
                     self.cache.acquire(c)
             owner._parameters[name] = p
         return p
+
+    def used(self, out):
+        """After an operation that read parameters outside every forward (borrow; `out`: what it
+        returned, None if it raised): their units end as a forward ends. Returns what the caller gets."""
+        begun, self._outside = self._outside, []
+        for unit in reversed(begun):
+            replaced = self._post_forward(unit, (), out)
+            out = out if replaced is None else replaced
+        return out
 
     def _swap_borrowed(self, unit: nn.Module, real: bool) -> None:
         for owner, name, p in self.borrowed.get(unit, ()):

@@ -5,14 +5,15 @@ It has the parameter's shape, dtype and device: metadata reads work, and so do t
 moves a user's `model.to(...)` / `model.float()` make, freezing and unfreezing (passed on to the real
 parameter), and `load_state_dict` copies the hooks absorb. Any computation raises a
 ShardedParameterError naming the parameter instead of silently reading a freed buffer, unless the
-hooks lent it a borrow (a forward reading a submodule's parameter: hooks.py's docstring).
+hooks lent it a borrow (a forward reading a submodule's parameter, or a read outside every forward
+that writes nothing into it: hooks.py's docstring).
 """
 from __future__ import annotations
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..errors import ShardedParameterError
+from ..errors import ModuleMovedError, ShardedParameterError
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -48,6 +49,23 @@ def real_parameter(t: torch.Tensor) -> torch.Tensor:
     return t._zs_param if isinstance(t, ShardedPlaceholder) and t._zs_param is not None else t
 
 
+_IN_PLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                                                 "or", "xor", "lshift", "rshift", "matmul")} | {"__setitem__"}
+
+
+def _written(func, args, kwargs):
+    """The tensor `func` writes into, if any: its `out=`, or the first argument of an in-place
+    method (`add_`, `copy_`) or operator (`+=`, `x[i] = v`), or of `.data` (read to be written, as in
+    `p.data.clamp_(-c, c)`, or replaced)."""
+    if "out" in kwargs:
+        return kwargs["out"]
+    if func == torch.Tensor.data.__get__ or func == torch.Tensor.data.__set__:
+        return args[0]
+    name = getattr(func, "__name__", "")
+    in_place = name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+    return args[0] if in_place and args else None
+
+
 class ShardedPlaceholder(torch.Tensor):
     """Occupies a module's parameter entry while stage 3 holds that parameter sharded."""
 
@@ -57,7 +75,8 @@ class ShardedPlaceholder(torch.Tensor):
                                                 requires_grad=like.requires_grad)
         t._zs_name = name
         t._zs_absorb_copies = False  # inside model.load_state_dict: the value went to the shard already
-        t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, if a forward may read it
+        t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, where it may be read
+        t._zs_used = None  # Stage3Hooks.used: after the operation that read it
         t._zs_param = None  # the real parameter it stands in for
         # isinstance(t, nn.Parameter), as the entry it occupies: code that moves a parameter from
         # one entry to another (torch's parametrize, around peft's LoRA of an MoE's experts) keeps
@@ -83,21 +102,38 @@ class ShardedPlaceholder(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 func(*args, **(kwargs or {}))
             return args[0] if func is torch.Tensor.requires_grad_ else None
+        if func == torch.Tensor.data.__set__ and isinstance(args[0], ShardedPlaceholder):  # nn.Module._apply's
+            raise ModuleMovedError(
+                f"zeroshard: {args[0]._zs_name} was moved or cast after zeroshard.initialize (model.to / .cuda / "
+                ".half ..., or its .data replaced): the engine owns where parameters live and in which dtype. Move "
+                "the model before initialize, choose the dtype with the config's precision, write values inside "
+                "`with engine.full_parameters():`; the parameter is as it was")
         flat, _ = tree_flatten((args, kwargs or {}))
         held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
         borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
-        real = {id(a): borrow(a) for a in held} if borrow is not None else {}
-        if real and all(r is not None for r in real.values()):  # read inside an ancestor's forward
+        written = _written(func, args, kwargs or {})
+        real = {id(a): borrow(a, a is written) for a in held} if borrow is not None else {}
+        used = held[0]._zs_used if real else None  # ends what borrowing outside every forward began
+        if real and all(r is not None for r in real.values()):  # read in a forward, or outside every one
             args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
-            return func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                used(None)
+                raise
+            got = used(out)
+            return out if got is None else got
+        if used is not None:
+            used(None)
         names = sorted({a._zs_name for a in held})
         if func is torch.Tensor.__repr__:
             return f"ShardedPlaceholder({names[0]}, shape={tuple(args[0].shape)})"
         raise ShardedParameterError(
             f"zeroshard stage 3: parameter {', '.join(names)} was used by "
             f"{getattr(func, '__name__', func)} outside the forward of a module that owns it, while "
-            "it is sharded. Use it inside that module's forward (or a module that registers it), "
-            "read engine.full_state_dict(), or use stage <= 2."
+            "it is sharded. Use it inside that module's forward (or a module that registers it), or "
+            "between steps inside `with engine.full_parameters():` (every parameter whole: an EMA copy, "
+            "reading or editing weights), read engine.full_state_dict(), or use stage <= 2."
         )
 
     @classmethod
