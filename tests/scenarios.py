@@ -237,6 +237,42 @@ def eval_no_grad_stage3(rank, world):
     return {"diff": abs(got - want)}
 
 
+def _evaluating_in_inference_mode(engine, data, rank) -> None:
+    """Training with an evaluation under torch.inference_mode() after every step, as Lightning's
+    validation loop runs it."""
+    for step in data:
+        for micro in step:
+            engine.train()
+            engine.backward(engine(input_ids=micro[rank], labels=micro[rank]).loss)
+            engine.step()
+            engine.eval()
+            with torch.inference_mode():
+                engine(input_ids=micro[rank], labels=micro[rank])
+    engine.train()
+
+
+INFERENCE_MODE_CONFIGS = {"stage3": {"stage": 3}, "stage3_cache1": {"stage": 3, "cache_chunks": 1},
+                          "stage3_offload_params": {"stage": 3, "offload_optimizer": True, "offload_params": True},
+                          "stage2": {"stage": 2}}
+
+
+@scenario
+def eval_in_inference_mode(rank, world):
+    """Evaluations under torch.inference_mode() between steps leave training as it was: at stage 3
+    the next training forward raised "Inference tensors cannot be saved for backward" (the chunks
+    gathered in the evaluation, kept in the rCache, were inference tensors). The evaluations are no
+    part of the recorded schedule: recorded, every later step departed from it."""
+    data = batches(3, world, 1)
+    want, _, _ = reference(tiny_gpt2(), data, make_sgd)
+    out = {}
+    for label, cfg in INFERENCE_MODE_CONFIGS.items():
+        engine = zeroshard.initialize(tiny_gpt2(), make_sgd, {**cfg, "chunk_size": 20000})
+        _evaluating_in_inference_mode(engine, data, rank)
+        out[label] = max_diff(engine.full_state_dict(), want)
+        out[f"{label}_departures"] = engine.stats().get("schedule_departures", 0)
+    return out
+
+
 @scenario
 def prefetch_issued_on_one_rank_then_another_engine(rank, world):
     """A forward raises on every rank at the same module, after a prefetch was handed over; one rank

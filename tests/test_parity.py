@@ -69,6 +69,14 @@ def test_eval_under_no_grad(res):
     assert ok(r, "eval_no_grad_stage3")["diff"] <= 1e-5
 
 
+@pytest.mark.parametrize("config", ["stage3", "stage3_cache1", "stage3_offload_params", "stage2"])
+def test_evaluations_in_inference_mode_leave_training_as_it_was(res, config):
+    r, _ = res
+    got = ok(r, "eval_in_inference_mode")
+    assert got[config] <= 1e-5
+    assert got[f"{config}_departures"] == 0
+
+
 def test_a_prefetch_issued_on_one_rank_leaves_another_engine_training_right(res):
     r, world = res
     got = ok(r, "prefetch_issued_on_one_rank_then_another_engine")

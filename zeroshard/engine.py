@@ -164,8 +164,11 @@ class Engine(EngineIO):
         if torch.is_grad_enabled() and self.saved.needed(self.timeline):
             with self.saved.around_forward(self.timeline, by_reference=self._micro_layout_final):
                 out = self.module(*args, **kwargs)
-        else:
+        elif torch.is_grad_enabled():
             out = self.module(*args, **kwargs)
+        else:
+            with self.cache.unrecorded():  # cache.py's Note: forwards without autograd
+                out = self.module(*args, **kwargs)
         if recording:  # re-pack in order of first use, rank 0's on every rank
             self.fix_layout(self.layout.first_use_order(self.params))
         if tracking:

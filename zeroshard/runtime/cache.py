@@ -37,10 +37,15 @@ Departures (dynamic control flow): a use that is not the expected one moves the 
 chunk's next occurrence in the sequence. A chunk the rest of the sequence never names puts the cache
 off schedule: it evicts the least recently used chunk and stops prefetching until a use matches the
 sequence again. Departures are counted and logged once; they never stop training.
+
+Note: forwards without autograd. A forward under no_grad or inference_mode (an evaluation between
+steps, Lightning's validation loop) is no part of a training step's sequence: recorded, it put a
+whole forward at the head of the schedule, and every later training step departed from it.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections import OrderedDict
 
@@ -75,6 +80,7 @@ class ChunkCache:
         self.departures = 0  # uses that were not the one the schedule expected
         self.off_schedule = False
         self._head: list[int] | None = None  # the chunks gathered at a step's end, the same on every rank
+        self._unrecorded = False  # inside a forward without autograd (Note: forwards without autograd)
 
     def reset_peak(self) -> None:
         """Start counting the peak (chunks and bytes held at once) afresh."""
@@ -113,6 +119,15 @@ class ChunkCache:
         """The sequence recorded is the schedule from now on."""
         self.recording = False
         self._head = None
+
+    @contextlib.contextmanager
+    def unrecorded(self):
+        """Uses inside are not recorded (Note: forwards without autograd)."""
+        was, self._unrecorded = self._unrecorded, True
+        try:
+            yield
+        finally:
+            self._unrecorded = was
 
     def rewind(self) -> None:
         """A forward begins: follow the schedule from its start, whose first chunks start
@@ -262,6 +277,8 @@ class ChunkCache:
 
     def _note_use(self, index: int) -> None:
         if self.recording:
+            if self._unrecorded:
+                return
             if not self.schedule or self.schedule[-1] != index:
                 self.schedule.append(index)
                 self._positions.setdefault(index, []).append(len(self.schedule) - 1)

@@ -191,11 +191,17 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         return self.padded_numel * self.dtype.itemsize
 
     # -- parameters ---------------------------------------------------------------------------
+    # Note: inference mode. A chunk gathered, or bound, inside torch.inference_mode() (an evaluation,
+    # Lightning's validation loop) would be an inference tensor, and the parameters views of it;
+    # kept in the rCache into training, autograd refuses to save them ("Inference tensors cannot be
+    # saved for backward"). Its buffer and views are therefore made outside inference mode.
+    @torch.inference_mode(False)
     def bind_params(self) -> None:
         """Point every parameter's data at its view of the full chunk."""
         for s in self.slots:
             set_local(s.param, self.full[s.offset:s.offset + s.numel].view(s.shape))
 
+    @torch.inference_mode(False)
     def unbind_params(self) -> None:
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for s in self.slots:
@@ -233,7 +239,8 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         invariant(compare or self.shard_in_memory and (self.secondary is None or not self.secondary.current),
                   lambda: f"chunk {self.index}: a gather with no comparison from a tier or secondary shards")
         self.await_arrival()
-        self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.inference_mode(False):  # Note: inference mode
+            self.full = torch.empty(self.padded_numel, dtype=self.dtype, device=self.device)
         self.state = ChunkState.GATHERING
         if self.secondary is not None and self.secondary.current:
             self.gather_work = self.secondary.start_gather(self.full, comm, self.index)
