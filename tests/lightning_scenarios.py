@@ -111,7 +111,10 @@ def plain_loop(rank: int, world: int, stage: int) -> dict:
 
 
 def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = None,
-        gradient_clip_algorithm: str = "norm", compiled: bool = False, **config):
+        gradient_clip_algorithm: str = "norm", compiled: bool = False, validate_every: int | None = None,
+        **config):
+    """`validate_every`: validate on the first 8 sequences every this many optimizer steps, in
+    Lightning's own loop, after its sanity check (a validation before the first step)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
@@ -125,12 +128,20 @@ def fit(rank: int, world: int, stage: int, out: str, ckpt_path: str | None = Non
                          max_steps=STEPS, accumulate_grad_batches=ACCUMULATION, gradient_clip_val=1.0,
                          gradient_clip_algorithm=gradient_clip_algorithm,
                          logger=CSVLogger(out, name="csv"), log_every_n_steps=1, callbacks=[checkpoints],
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         use_distributed_sampler=False)
+                         enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0 if validate_every is None else 2,
+                         use_distributed_sampler=False,
+                         val_check_interval=None if validate_every is None else validate_every * ACCUMULATION)
     module = module_class()()
+    val = None if validate_every is None else validation_loader(rank, world)
     # A user's torch.compile of the module (aot_eager: eager's operations, compile_scenarios.py)
-    trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, loader, ckpt_path=ckpt_path)
+    trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, loader, val, ckpt_path=ckpt_path)
     return trainer, module
+
+
+def validation_loader(rank: int, world: int):
+    return torch.utils.data.DataLoader(data()[:8], batch_size=4, sampler=torch.utils.data.DistributedSampler(
+        data()[:8], num_replicas=world, rank=rank, shuffle=False))
 
 
 def metrics_csv(trainer) -> list[dict]:
@@ -166,8 +177,7 @@ def run(rank: int, world: int, out_path: str) -> None:
                 res["logged"] = [{k: v for k, v in r.items() if v != ""} for r in rows]
             res["checkpoints"] = sorted(os.listdir(os.path.join(out, "ckpt")))
             if name == "stage3":
-                val = torch.utils.data.DataLoader(data()[:8], batch_size=4, sampler=torch.utils.data.DistributedSampler(
-                    data()[:8], num_replicas=world, rank=rank, shuffle=False))
+                val = validation_loader(rank, world)
                 res["val_loss"] = trainer.validate(module, val, verbose=False)[0]["val_loss"]
                 logits = torch.cat(trainer.predict(module, val))
                 gathered = [torch.empty_like(logits) for _ in range(world)]
@@ -183,6 +193,15 @@ def run(rank: int, world: int, out_path: str) -> None:
                     res["pretrained_keys"] = sorted(loaded) == sorted(full)
                     res["pretrained_max_diff"] = max_diff(loaded, full)
             results[name] = res
+        # Validation inside fit, before the first step and after every step, through a 1-chunk rCache
+        trainer, _ = fit(rank, world, 3, os.path.join(root, "stage3_validating"), validate_every=1,
+                         cache_chunks=1, chunk_size=20000)
+        engine = trainer.strategy.engine
+        results["stage3_validating"] = {
+            "vs_plain": max_diff({key(k): v for k, v in engine.full_state_dict().items()}, plain_loop(rank, world, 3)[0]),
+            "validations": sum(1 for r in metrics_csv(trainer) if r.get("val_loss")) if rank == 0 else None,
+            "chunks": len(engine.chunks),
+            "departures": engine.stats()["schedule_departures"]}
         trainer, _ = fit(rank, world, 3, os.path.join(root, "stage3_compiled"), compiled=True)
         full = {key(k): v for k, v in trainer.strategy.engine.full_state_dict().items()}
         results["stage3_compiled"] = {"vs_plain": max_diff(full, plain_loop(rank, world, 3)[0]),

@@ -42,6 +42,18 @@ def test_lightning_trains_what_a_plain_zeroshard_loop_trains(runs, name):
     assert runs[name]["vs_plain"] <= ADAMW_TOL
 
 
+def test_validation_inside_fit_leaves_training_as_it_was(runs):
+    """Validation inside fit (Lightning's sanity check before the first step, then after every
+    step: the metrics log 10) through a 1-chunk rCache trains what the plain loop trains, and the
+    steps keep to the recorded chunk schedule. On gloo Lightning validates under no_grad; its
+    choice with NCCL, torch.inference_mode, is test_parity's inference-mode scenario (there the
+    chunks gathered were inference tensors, and the next step raised)."""
+    got = runs["stage3_validating"]
+    assert got["validations"] == 10 and got["chunks"] > 1, got
+    assert got["vs_plain"] <= ADAMW_TOL, got
+    assert got["departures"] == 0, got
+
+
 def test_config_compile_of_a_one_chunk_module_compiles_its_blocks(runs):
     """Stage 3 made the one-chunk module its one unit, to compile its forward whole; Lightning then
     redirects that forward for each step, which would undo such a compile (it did, silently, on
