@@ -239,7 +239,7 @@ def eval_no_grad_stage3(rank, world):
 
 def _evaluating_in_inference_mode(engine, data, rank) -> None:
     """Training with an evaluation under torch.inference_mode() after every step, as Lightning's
-    validation loop runs it."""
+    validation loop runs it with NCCL, and a generation from the model itself (not the engine)."""
     for step in data:
         for micro in step:
             engine.train()
@@ -248,6 +248,7 @@ def _evaluating_in_inference_mode(engine, data, rank) -> None:
             engine.eval()
             with torch.inference_mode():
                 engine(input_ids=micro[rank], labels=micro[rank])
+                engine.module.generate(micro[rank][:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
     engine.train()
 
 
@@ -261,7 +262,8 @@ def eval_in_inference_mode(rank, world):
     """Evaluations under torch.inference_mode() between steps leave training as it was: at stage 3
     the next training forward raised "Inference tensors cannot be saved for backward" (the chunks
     gathered in the evaluation, kept in the rCache, were inference tensors). The evaluations are no
-    part of the recorded schedule: recorded, every later step departed from it."""
+    part of the recorded schedule: recorded, every later step departed from it. A forward of the
+    model itself (generate) follows the schedule from its start, as the engine's do."""
     data = batches(3, world, 1)
     want, _, _ = reference(tiny_gpt2(), data, make_sgd)
     out = {}

@@ -164,11 +164,8 @@ class Engine(EngineIO):
         if torch.is_grad_enabled() and self.saved.needed(self.timeline):
             with self.saved.around_forward(self.timeline, by_reference=self._micro_layout_final):
                 out = self.module(*args, **kwargs)
-        elif torch.is_grad_enabled():
-            out = self.module(*args, **kwargs)
         else:
-            with self.cache.unrecorded():  # cache.py's Note: forwards without autograd
-                out = self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
         if recording:  # re-pack in order of first use, rank 0's on every rank
             self.fix_layout(self.layout.first_use_order(self.params))
         if tracking:
@@ -217,9 +214,13 @@ class Engine(EngineIO):
     def _direct_call(self, module: nn.Module, args) -> None:
         """The root's forward pre-hook: the wrapped model called as itself (`model(x)`, not
         `engine(x)`) where gradients are recorded: parameters unfrozen since follow into training,
-        as they do through the engine."""
+        as they do through the engine; at stage 3 the cache follows its schedule from the start (a
+        `model.generate()` between steps departed from it)."""
         if self.phase is TrainingPhase.IDLE and torch.is_grad_enabled() and self._unhooked:
             self._follow_requires_grad()
+        if self.phase is TrainingPhase.IDLE and self.hooks is not None and not self.hooks.active and not self.hooks.in_backward:
+            self.shards.issue_handed_over()
+            self.cache.rewind()
 
     def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
         """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop

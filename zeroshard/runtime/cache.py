@@ -45,7 +45,6 @@ whole forward at the head of the schedule, and every later training step departe
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 from collections import OrderedDict
 
@@ -80,7 +79,6 @@ class ChunkCache:
         self.departures = 0  # uses that were not the one the schedule expected
         self.off_schedule = False
         self._head: list[int] | None = None  # the chunks gathered at a step's end, the same on every rank
-        self._unrecorded = False  # inside a forward without autograd (Note: forwards without autograd)
 
     def reset_peak(self) -> None:
         """Start counting the peak (chunks and bytes held at once) afresh."""
@@ -120,15 +118,6 @@ class ChunkCache:
         self.recording = False
         self._head = None
 
-    @contextlib.contextmanager
-    def unrecorded(self):
-        """Uses inside are not recorded (Note: forwards without autograd)."""
-        was, self._unrecorded = self._unrecorded, True
-        try:
-            yield
-        finally:
-            self._unrecorded = was
-
     def rewind(self) -> None:
         """A forward begins: follow the schedule from its start, whose first chunks start
         gathering now (together: the second's gather then runs beside the first's)."""
@@ -136,9 +125,10 @@ class ChunkCache:
         self._maybe_prefetch()
 
     # -- use -----------------------------------------------------------------------------------
-    def acquire(self, chunk: Chunk) -> None:
-        """Make `chunk` GATHERED and pin it."""
-        self._note_use(chunk.index)
+    def acquire(self, chunk: Chunk, recorded: bool = True) -> None:
+        """Make `chunk` GATHERED and pin it. `recorded`: False for a use in a forward without
+        autograd, which a recording skips (Note: forwards without autograd)."""
+        self._note_use(chunk.index, recorded)
         if chunk.index in self.cached and chunk.state is ChunkState.SHARDED:  # its gather failed elsewhere
             self.cached.pop(chunk.index)  # (hooks.unpack_chunk_view): gathered anew (raising again)
             self._bytes -= chunk.full_bytes
@@ -275,9 +265,9 @@ class ChunkCache:
                     break
                 self._evict(i)
 
-    def _note_use(self, index: int) -> None:
+    def _note_use(self, index: int, recorded: bool) -> None:
         if self.recording:
-            if self._unrecorded:
+            if not recorded:
                 return
             if not self.schedule or self.schedule[-1] != index:
                 self.schedule.append(index)

@@ -231,7 +231,7 @@ class Stage3Hooks:
             self.on_borrow(m)
             for c in self.chunks_of(m):  # released with m's own when its forward ends
                 if c not in before:
-                    self.cache.acquire(c)
+                    self.cache.acquire(c, recorded=torch.is_grad_enabled())
             owner._parameters[name] = p
         return p
 
@@ -273,8 +273,8 @@ class Stage3Hooks:
                 m._parameters[n] = t
 
     def _pre_forward(self, unit, args):
-        for c in self.chunks_of(unit):
-            self.cache.acquire(c)
+        for c in self.chunks_of(unit):  # cache.py's Note: forwards without autograd
+            self.cache.acquire(c, recorded=torch.is_grad_enabled())
         self._show(unit, True)
         self.active.append(unit)
 
