@@ -292,7 +292,7 @@ def prefetch_issued_on_one_rank_then_another_engine(rank, world):
 
     def late(module, inputs, out):
         if rank == 0:  # the others hand block 1's prefetch over first: theirs wait for rank 0's comparison
-            time.sleep(0.3)
+            time.sleep(1.0)  # long enough for a loaded machine's other ranks to raise first (0.3 was not)
 
     def stop(module, inputs, out):
         if rank == 0:

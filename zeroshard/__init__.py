@@ -39,8 +39,9 @@ from .optim.cpu_adam import CPUAdamW
 from .engine import Engine
 from .errors import (CheckpointError, CollectiveTimeoutError, ConfigError, DivergedError, EngineCallError,
                      FrozenParameterError, GradientsInChunksError, ModuleCopyError, ModuleMovedError, NonFiniteError,
-                     PeerLostError, PeerLostInCheckpointError, PlanError, ShardedParameterError, TierFileError,
-                     UninitializedTensorError, UnsupportedModelError, WeightsError, ZeroShardError)
+                     ParameterReplacedError, PeerLostError, PeerLostInCheckpointError, PlanError,
+                     ShardedParameterError, TierFileError, UninitializedTensorError, UnsupportedModelError,
+                     WeightsError, ZeroShardError)
 from .planning.profiler import Profile, profile
 from .distributed.tensor_parallel import device_mesh
 
@@ -73,7 +74,7 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 __all__ = ["Config", "CPUAdamW", "Engine", "initialize", "device_mesh", "profile", "Profile",
            "CheckpointError", "CollectiveTimeoutError", "DivergedError", "EngineCallError", "FrozenParameterError",
            "GradientsInChunksError", "ModuleCopyError", "ModuleMovedError", "ShardedParameterError", "NonFiniteError",
-           "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError",
+           "ParameterReplacedError", "PeerLostError", "PeerLostInCheckpointError", "TierFileError", "UninitializedTensorError",
            "UnsupportedModelError", "WeightsError", "ConfigError", "PlanError", "ZeroShardError"]
 
 

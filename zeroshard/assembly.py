@@ -32,6 +32,7 @@ from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues
 from .runtime.grad_readers import GradReaders, guard_grad_readers
 from .runtime.module_state import StateDictLoading, guard_moves, route_zero_grad, sync_generation
+from .runtime.replacements import unwatch, watch
 from .runtime.offload import Placement, Transfer
 from .runtime.partitioned_activations import PartitionedActivations
 from .runtime.precision import InputCasts, cast_buffers
@@ -58,6 +59,7 @@ class World:
 
 def join_world(module: nn.Module, config: Config, device: torch.device | None) -> World:
     """The device, the process group, tensor parallelism and the Comms over them."""
+    unwatch(module)  # an earlier engine's watch: this one may replace parameters (TP, materialize)
     device = device or default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -265,6 +267,7 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
     # a forward is a collective
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
+    watch(module, model.params)
     grad_readers = guard_grad_readers(on.owned, on.clip_grad_norm)
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)

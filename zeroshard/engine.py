@@ -30,6 +30,7 @@ from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
 from .runtime.hooks import weak_method
+from .runtime.module_state import check_not_moved
 from .telemetry.stats import StepMeter, describe_step, step_stats
 from .units import refuse_forward_writes, refuse_untrainable
 
@@ -46,8 +47,7 @@ class Engine(EngineIO):
         refuse_untrainable(module)
         world = join_world(module, config, device)
         self.device, self.tp, self.comm, self.world_comm = world.device, world.tp, world.comm, world.world_comm
-        self.shards = world.shards
-        self.transfer = world.transfer
+        self.shards, self.transfer = world.shards, world.transfer
         planned = plan(module, optimizer, config, example_inputs, world)
         config, self.plan, self.profile = planned.config, planned.plan, planned.profile
         refuse_forward_writes(module, config.stage, world.comm.world)  # the stage, once 'auto' chose it
@@ -78,8 +78,7 @@ class Engine(EngineIO):
             installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers
         self._grad_arrived_hook = on.grad_arrived
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
-        # the model called directly, not through the engine, follows unfreezing too (first: a unit's
-        # own pre-hook must see the chunks as thawed)
+        # first: a unit's own pre-hook must see the chunks as thawed
         module.register_forward_pre_hook(weak_method(self._direct_call), prepend=True)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
@@ -212,10 +211,11 @@ class Engine(EngineIO):
         self._unhooked = [p for p in self._unhooked if not p.requires_grad]
 
     def _direct_call(self, module: nn.Module, args) -> None:
-        """The root's forward pre-hook: the wrapped model called as itself (`model(x)`, not
-        `engine(x)`) where gradients are recorded: parameters unfrozen since follow into training,
-        as they do through the engine; at stage 3 the cache follows its schedule from the start (a
-        `model.generate()` between steps departed from it)."""
+        """The root's forward pre-hook. Stages 0-2: the parameters still view their chunks
+        (module_state.check_not_moved). The model called as itself (`model(x)`, `generate`) follows
+        unfreezing where gradients are recorded, and at stage 3 the schedule from its start."""
+        if self.hooks is None:
+            check_not_moved(self.chunks)
         if self.phase is TrainingPhase.IDLE and torch.is_grad_enabled() and self._unhooked:
             self._follow_requires_grad()
         if self.phase is TrainingPhase.IDLE and self.hooks is not None and not self.hooks.active and not self.hooks.in_backward:
@@ -394,8 +394,7 @@ class Engine(EngineIO):
         self._set_steps(self.steps + int(applied))
         self._stats = step_stats(self.meter.finish(self.comm.world, self.optimizer), step=self.steps, applied=applied,
                                  chunks=self.chunks, optim=self.optim, cache=self.cache, comm=self.comm,
-                                 shards=self.shards,
-                                 transfer=self.transfer, saved=self.saved, scaler=self.scaler, tp=self.tp)
+                                 shards=self.shards, transfer=self.transfer, saved=self.saved, scaler=self.scaler, tp=self.tp)
         if self.timeline is not None:
             self.timeline.step_done(self.steps)
         # the next forward's first chunks, once the step's figures are taken (cache.py's Note:

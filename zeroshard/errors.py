@@ -60,7 +60,14 @@ class GradientsInChunksError(ZeroShardError, RuntimeError):
 
 
 class ModuleMovedError(ZeroShardError, RuntimeError):
-    """model.to() / .cuda() / .half() after initialize moved parameters out of zeroshard's chunks."""
+    """model.to() / .cuda() / .half(), or `param.data = ...` (resize_token_embeddings), after
+    initialize moved parameters out of zeroshard's chunks."""
+
+
+class ParameterReplacedError(ZeroShardError, RuntimeError):
+    """A new parameter, or a module holding parameters zeroshard does not hold, was assigned into a
+    wrapped model after initialize (resize_token_embeddings, a new head, peft's get_peft_model):
+    zeroshard's chunks hold the parameters it would replace. Such changes go before initialize."""
 
 
 class UnsupportedModelError(ZeroShardError, TypeError):
