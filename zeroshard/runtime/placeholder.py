@@ -134,7 +134,9 @@ class ShardedPlaceholder(torch.Tensor):
             "it is sharded. Use it inside that module's forward (or a module that registers it), or "
             "between steps inside `with engine.full_parameters():` (every parameter whole: an EMA copy, "
             "reading or editing weights), read engine.full_state_dict(), or use stage <= 2."
-        )
+            + (" Its .data is refused here (a write through it goes unseen): resize the model "
+               "(resize_token_embeddings) or give it new data before initialize."
+               if func == torch.Tensor.data.__get__ else ""))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
