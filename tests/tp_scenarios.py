@@ -4,6 +4,7 @@ data-parallel dimension; each rank 0 result compared with single-process PyTorch
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -26,7 +27,27 @@ SCENARIOS = {  # name -> (stage, optimizer, P_a: None / "on" / "cpu", activation
     "stage3_pa": (3, "sgd", "on", True),
     "stage3_pa_cpu": (3, "sgd", "cpu", True),
     "stage1_pa_cpu_adamw": (1, "adamw", "cpu", True),
+    "stage0_clip": (0, "sgd", None, False),
+    "stage1_clip_adamw": (1, "adamw", None, False),
+    "stage2_clip": (2, "sgd", None, False),
+    "stage3_clip": (3, "sgd", None, False),
+    "stage3_pa_clip": (3, "sgd", "on", True),
+    "stage2_torch_clip": (2, "sgd", None, False),  # torch.nn.utils.clip_grad_norm_ in the loop
+    "stage2_delayed_clip": (2, "sgd", None, False),  # the clipping norm agreed in the delayed update's thread
+    "stage2_inf_one_tp_rank": (2, "sgd", None, False),  # INF_ON_TP1
 }
+
+# nonfinite="skip", and at this step an inf in one split weight's gradient on TP rank 1 alone: every
+# rank skips the step (TP rank 0's groups too, whose gradients are finite), or the replicas of a
+# replicated parameter would part and TP rank 0 would train a step that TP rank 1 skipped.
+INF_ON_TP1 = {"stage2_inf_one_tp_rank": 1}
+
+# Clipped scenarios: the max global L2 norm, below every step's norm (about 1.9 at the start), so
+# each step clips; a TP rank clipping by its own shards' norm lands ~1e-4 away.
+CLIP = {"stage0_clip": 0.5, "stage1_clip_adamw": 0.5, "stage2_clip": 0.5, "stage3_clip": 0.5,
+        "stage3_pa_clip": 0.5, "stage2_torch_clip": 0.5, "stage2_delayed_clip": 0.5}
+TORCH_CLIP = {"stage2_torch_clip"}
+DELAYED = {"stage2_delayed_clip": 1}  # delay_update_after: step 1 exact, steps 2-3 delayed
 
 
 BOUNDED_CACHE = {"stage3_cache2": 2}
@@ -94,11 +115,19 @@ def data():
     return torch.randint(0, VOCAB, (STEPS, BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def reference(kind: str) -> dict:
+def reference(kind: str, clip: float | None = None, norms: list | None = None, skip: int | None = None) -> dict:
+    """Single-process PyTorch on the global batch, clipped to `clip` (each step's gradient norm,
+    before clipping, appended to `norms`), step `skip` skipped."""
     m = llama(False)
     opt = make_optimizer(kind)(list(m.parameters()))
-    for x in data():
+    for k, x in enumerate(data()):
         m(x, labels=x).loss.backward()
+        if k == skip:
+            opt.zero_grad()
+            continue
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), math.inf if clip is None else clip)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
     return {k: v.detach() for k, v in m.state_dict().items()}
@@ -111,20 +140,34 @@ def scenario(name, world):
     m = split_llama(mesh, checkpointing)
     cfg = {"stage": stage, "tensor_parallel": 2, "chunk_size": 5000, "collective_timeout_s": 120,
            "partition_activations": pa is not None, "offload_activations": pa == "cpu",
-           "cache_chunks": BOUNDED_CACHE.get(name)}
+           "cache_chunks": BOUNDED_CACHE.get(name),
+           "clip_grad_norm": None if name in TORCH_CLIP else CLIP.get(name)}
+    if name in DELAYED:
+        cfg.update(offload_optimizer=True, delay_update_after=DELAYED[name])
+    if name in INF_ON_TP1:
+        cfg["nonfinite"] = "skip"
     engine = zeroshard.initialize(m, make_optimizer(kind), config=cfg)
+    inf_at = INF_ON_TP1.get(name) if mesh["tp"].get_local_rank() == 1 else None
+    weight = m.model.layers[1].self_attn.o_proj.weight
     by_reference = SavedByReference()
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     per = BATCH // dp
-    figures = {"mp_all_reduces": [], "mp_elements": []}
+    figures = {"mp_all_reduces": [], "mp_elements": [], "grad_norms": [], "torch_clip_norms": []}
     timeline = engine.record_memory(steps=1)
     try:
-        for x in data():
+        for k, x in enumerate(data()):
             xb = x[dp_rank * per:(dp_rank + 1) * per]
+            hook = weight.register_hook(lambda g: g * math.inf) if k == inf_at else None
             traffic = TensorParallelTraffic()
             with traffic.mode:
                 engine.backward(engine(xb, labels=xb).loss)
+            if name in TORCH_CLIP:  # a plain loop's clipping, over the split model's parameters
+                norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), CLIP[name])
+                figures["torch_clip_norms"].append(float(norm))
             engine.step()
+            if hook is not None:
+                hook.remove()
+            figures["grad_norms"].append(engine.stats()["grad_norm"])
             figures["mp_all_reduces"].append(traffic.count)
             figures["mp_elements"].append(traffic.elements)
     finally:
@@ -132,11 +175,16 @@ def scenario(name, world):
     figures["saved_by_reference"] = by_reference.count
     stats = engine.stats()
     full = engine.full_state_dict()
-    ref = reference(kind)
-    figures.update(
+    ref_norms = []
+    if name in DELAYED:
+        from models import delayed_reference
+        ref = delayed_reference(llama(False), data(), make_optimizer(kind), DELAYED[name], clip=CLIP[name])
+    else:
+        ref = reference(kind, CLIP.get(name), ref_norms, skip=INF_ON_TP1.get(name))
+    figures.update(ref_norms=ref_norms,
         diff=max_diff(full, ref), keys_match=sorted(full) == sorted(ref),
         peak_activations=timeline.peak("activations"), peak_host_activations=timeline.peak("host_activations"),
-        **{k: stats[k] for k in ("comm_elements", "padded_elements", "num_params", "world_size", "tensor_parallel", "grad_norm",
+        **{k: stats[k] for k in ("comm_elements", "skipped_steps", "padded_elements", "num_params", "world_size", "tensor_parallel", "grad_norm",
                                  "saved_activation_bytes", "pa_elements", "pa_fingerprints", "pa_partitioned_elements")
                  if k in stats},
         full_numel=sum(v.numel() for v in ref.values()), local_batch=per, hidden=64, layers=2, seq=SEQ, vocab=VOCAB)

@@ -18,6 +18,7 @@ from .errors import ConfigError, TierFileError
 from .distributed.collectives import Comm, default_device, init_process_group
 from .distributed.shard_groups import ShardGroups, resolve_group_size
 from .distributed.tensor_parallel import TensorParallel, local_shape
+from .optim.grad_agreement import TensorParallelNorm
 from .optim.loss_scale import LossScaler
 from .optim.optimizer import ShardedOptimizer
 from .optim.param_groups import as_factory, default_optimizer
@@ -190,8 +191,10 @@ def make_parts(optimizer, config: Config, planned: Planned, world: World, model:
                              clip_grad_norm=config.clip_grad_norm, scaler=scaler,
                              delay_after=config.delay_update_after,
                              side_comm=world.comm.side_channel() if delayed else None,
-                             nonfinite=config.nonfinite, measure_norm=config.grad_norm and world.tp is None, shards=world.shards, tier=tier,
-                             gather_next=cache.after_update if config.stage == 3 else None)
+                             nonfinite=config.nonfinite, measure_norm=config.grad_norm, shards=world.shards, tier=tier,
+                             gather_next=cache.after_update if config.stage == 3 else None,
+                             tp_norm=None if world.tp is None else TensorParallelNorm(
+                                 world.tp.comm, world.tp.rank, world.tp.comm.side_channel() if delayed else None))
     layout.when_built(optim.take_built)
     if config.check_order:
         world.shards.enable_order_checks()

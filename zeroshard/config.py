@@ -95,9 +95,9 @@ class Config:
         Applied to the process group zeroshard makes (torchrun's environment) and to its own
         groups; a group you made keeps its own timeout, with a warning when that is longer.
     grad_norm: measure the global L2 norm of the gradients at every step, for stats()['grad_norm'],
-        also without clipping (False saves one pass over the gradients when clipping is off). Not
-        with tensor_parallel > 1 (stats()['grad_norm'] is None): the norm would cover only each
-        tensor-parallel rank's own shards; for the same reason clip_grad_norm is refused there.
+        also without clipping (False saves one pass over the gradients when clipping is off). With
+        tensor_parallel > 1 it is the whole model's: split parameters' shards summed over the
+        TP group, replicated ones counted once.
     log_every: every this many optimizer steps, log stats()'s main figures (loss, learning rate,
         step time, tokens/s, grad norm, skipped steps) at INFO on the `zeroshard` logger, rank 0
         only; 0 = never.
@@ -321,12 +321,6 @@ class Config:
             bad("tensor_parallel", "an integer >= 1 (ranks per tensor-parallel group)")
         if not isinstance(self.partition_activations, bool):
             bad("partition_activations", "true or false")
-        if self.clip_grad_norm is not None and is_int(self.tensor_parallel) and self.tensor_parallel > 1:
-            # The norm is summed over the data-parallel group only: each tensor-parallel rank would
-            # clip by the norm of its own shards (measured: 1.67 and 1.66 against the whole model's
-            # 1.87, and a model 1.3e-4 away from PyTorch's clipped one).
-            raise ConfigError("zeroshard config: clip_grad_norm with tensor_parallel > 1 is not supported yet: the "
-                              "norm would cover only each tensor-parallel rank's own shards")
         if self.partition_activations and self.tensor_parallel == 1:
             raise ConfigError("zeroshard config: partition_activations partitions activations over a tensor-parallel "
                              "group: it needs tensor_parallel > 1 (offload_activations alone keeps them on the host)")

@@ -426,7 +426,7 @@ class Engine(EngineIO):
         self._expect_idle("torch.nn.utils.clip_grad_norm_()")
         refuse_clip_call(given, self._owned(given), [p for p in self.params if p.requires_grad],
                          [pc.param for c in self.optim.chunks for pc in c.pieces], norm_type,
-                         delayed=self.optim.delay_after is not None, tensor_parallel=self.tp is not None,
+                         delayed=self.optim.delay_after is not None,
                          mid_window=self.grads_pending and bool(self.micro_steps % self.optim.accumulation))
         if not self.grads_pending:
             return torch.zeros((), device=self.device)

@@ -1,18 +1,20 @@
 """What every rank must agree on before a step: which parameters got a gradient anywhere, whether
 any gradient is not finite, and the global gradient norm, in one small all-reduce; and, with
-hybrid sharding, the gradient shards summed across the shard groups (`sum_across`)."""
+hybrid sharding, the gradient shards summed across the shard groups (`sum_across`); with tensor
+parallelism, the norm and the non-finite flag agreed across the TP group too (`TensorParallelNorm`)."""
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from ..numerics import all_finite, squares_sum
 
 
 def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, measure_norm: bool,
-                exact_norm: bool, norm_here: bool, share: tuple[int, int] | None = None
-                ) -> tuple[list[list[bool]], bool, float]:
+                exact_norm: bool, norm_here: bool, share: tuple[int, int] | None = None,
+                tp: "TensorParallelNorm | None" = None) -> tuple[list[list[bool]], bool, float]:
     """One small all-reduce over `comm` (none at world 1) gives every rank the same answers: per
     chunk and slot, whether that parameter got a gradient on any rank (`seen`: the slots that got
     one here; one that got none anywhere is not stepped: torch skips a parameter whose .grad is
@@ -25,13 +27,14 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
     squares of the scaled gradient as it always was, which the bit-identity fingerprints pin;
     otherwise (the norm is a figure in stats()) one pass without a temporary (see squared_norm),
     over this rank's `share` (rank, ranks) of each gradient where every rank holds all of it.
+    `tp`: the TP group's agreement, after the data-parallel one (tensor parallelism).
     Returns (present, overflow, sq)."""
     flags = [1.0 if i in got else 0.0 for c, got in zip(chunks, seen) for i in range(len(c.slots))]
     if comm.world == 1 and not finite_check and not measure_norm:  # nothing to agree on: no device sync
         return [[i in got for i in range(len(c.slots))] for c, got in zip(chunks, seen)], False, 0.0
     local = _answers(flags, comm.device)
     if measure_norm and norm_here:
-        mine = _share_of(grads, share)
+        mine = _share_of(grads, share) if tp is None else tp.part(chunks, grads)
         sq = squared_norm(mine, inv, exact=exact_norm)
         # A finite sum of squares proves the gradients it read finite (all_finite says why). With a
         # share, the ranks' shares cover every gradient and the flag below is summed over them.
@@ -43,12 +46,62 @@ def agree_grads(comm, chunks, grads, seen, inv: float, *, finite_check: bool, me
         local[-2] = 1.0
     if comm.world > 1:
         comm.control_all_reduce(local)
+    if tp is not None and (finite_check or measure_norm):
+        tp.agree(local)
     got = local.tolist()
     present, k = [], 0
     for c in chunks:
         present.append([v > 0 for v in got[k:k + len(c.slots)]])
         k += len(c.slots)
     return present, got[-2] > 0, got[-1]
+
+
+class TensorParallelNorm:
+    """With tensor parallelism each rank's chunks hold its own local shards (tensor_parallel.py), so
+    the step's agreement spans the TP group as well as the data-parallel one: the squared norm sums
+    a split parameter's shards over the TP ranks and counts a replicated parameter, whose gradient
+    every TP rank holds alike, once (TP rank 0's); the non-finite flag is any TP rank's, so every
+    TP rank's data-parallel group applies or skips the same steps (the replicas of a replicated
+    parameter, and fp16 loss scales, stay equal). One small all-reduce over the TP group per step
+    that measures a norm or checks finiteness. `comm`: over the TP group, for the training
+    thread's steps; a delayed update's thread takes `side` (Comm.side_channel says why)."""
+
+    def __init__(self, comm, rank: int, side=None):
+        self.comm, self.rank, self.side = comm, rank, side
+
+    def on(self, main: bool) -> "TensorParallelNorm":
+        """This agreement over the training thread's TP group (main) or the side one."""
+        return self if main or self.side is None else TensorParallelNorm(self.side, self.rank)
+
+    def part(self, chunks, grads: list) -> list:
+        """What this rank adds to the squared norm: every gradient on TP rank 0; elsewhere the
+        elements of split parameters alone (`grads`: per chunk, its owned range or its reduced one)."""
+        if self.rank == 0:
+            return grads
+        out = []
+        for c, g in zip(chunks, grads):
+            if g is None:
+                continue
+            lo = c.owned_range[0] if g.numel() == c.owned_range[1] - c.owned_range[0] else c.reduced_range[0]
+            for s in c.slots:
+                if is_split(s.param):
+                    a, b = max(lo, s.offset), min(lo + g.numel(), s.offset + s.numel)
+                    if a < b:
+                        out.append(g[a - lo:b - lo])
+        return out
+
+    def agree(self, answers: torch.Tensor) -> None:
+        """Sum the non-finite flag and the squared norm (the last two answers, already summed over
+        the data-parallel group) over the TP group, in place."""
+        tail = answers[-2:].clone()
+        self.comm.control_all_reduce(tail)
+        answers[-2:] = tail
+
+
+def is_split(p: torch.Tensor) -> bool:
+    """A parameter sharded over the TP group (a DTensor with a Shard placement), as opposed to one
+    every TP rank holds whole."""
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
 
 
 def start_agreeing(comm, chunks, grads, inv: float, *, measure_norm: bool, norm_here: bool,

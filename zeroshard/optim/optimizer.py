@@ -58,7 +58,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
     def __init__(self, optimizer, comm, *, param_names: dict[int, str], stage: int, dtype: torch.dtype,
                  accumulation: int, clip_grad_norm: float | None, scaler: LossScaler | None,
                  delay_after: int | None = None, side_comm=None, nonfinite: str = "ignore",
-                 measure_norm: bool = True, shards: ShardGroups, tier=None, gather_next=None):
+                 measure_norm: bool = True, shards: ShardGroups, tier=None, gather_next=None, tp_norm=None):
         """optimizer: a torch.optim.Optimizer over the model's parameters, or a callable taking a
         list of tensors and returning one. param_names: id(parameter) -> name, for the model's.
         nonfinite: what a NaN or inf gradient on any rank does (Config.nonfinite). measure_norm:
@@ -68,7 +68,8 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         shards summed across the groups. tier: the disk tier (runtime/disk_tier.py) of the chunks
         placed there, or None. gather_next: stage 3, called when the step's own update raised after
         every rank agreed to apply it: the rCache releases its stale chunks and gathers the next
-        forward's first ones, as the engine has the other ranks do (ChunkCache.after_update)."""
+        forward's first ones, as the engine has the other ranks do (ChunkCache.after_update).
+        tp_norm: tensor parallelism's TensorParallelNorm (grad_agreement.py), or None."""
         self.groups = ParamGroups(optimizer, param_names)
         self.make_opt = as_factory(optimizer)
         self.applied_updates = 0
@@ -77,7 +78,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         self.update_agreed = False
         self.gather_next = gather_next
         self.comm = comm
-        self.shards = shards
+        self.shards, self.tp_norm = shards, tp_norm
         self.stage = stage
         self.dtype = dtype
         self.accumulation = accumulation
@@ -201,7 +202,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         on nothing over the group (replicated_grads); with no delayed update or disk tier either,
         it issues no collective at all (issues_no_collective: ordering.py's STEP)."""
         return (self.stage == 0 and self.clip is None and self._user_clip is None and not self.shards.hybrid
-                and all(c.presence_tail for c in self.chunks))
+                and self.tp_norm is None and all(c.presence_tail for c in self.chunks))
 
     issues_no_collective = property(lambda self: self.replicated and self.delay_after is None and self.tier is None)
 
@@ -296,7 +297,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         if comm is self.comm and self.replicated:
             present, overflow, sq = replicated_grads(self.chunks, grads, seen, inv, finite_check=finite_check,
                                                      measure_norm=measure)
-        elif (comm is self.comm and not caps and not finite_check and not self.shards.hybrid
+        elif (comm is self.comm and not caps and not finite_check and not self.shards.hybrid and self.tp_norm is None
               and self.tier is None and all(len(got) == len(c.slots) for c, got in zip(self.chunks, seen))):
             present, overflow, sq = [[True] * len(c.slots) for c in self.chunks], False, 0.0
             squared_later = start_agreeing(comm, self.chunks, grads, inv, measure_norm=measure,
@@ -304,7 +305,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         else:
             present, overflow, sq = agree_grads(
                 comm, self.chunks, grads, seen, inv, finite_check=finite_check,
-                measure_norm=measure, exact_norm=exact, share=share, norm_here=norm_here)
+                measure_norm=measure, exact_norm=exact, share=share, norm_here=norm_here, tp=self._tp_for(comm))
         if overflow or not any(any(p) for p in present):
             if squared_later is not None:  # no slot at all: its all-reduce is read all the same
                 squared_later()

@@ -56,25 +56,21 @@ def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
 
 
 def refuse_clip_call(given: list, owned: set[int], trained: list, pieces: list, norm_type, *, delayed: bool,
-                     tensor_parallel: bool, mid_window: bool) -> None:
+                     mid_window: bool) -> None:
     """Raise GradientsInChunksError where the engine cannot answer torch.nn.utils.clip_grad_norm_
     over `given` as torch would: a norm other than L2; tensors `given` must cover every parameter
     the engine trains (`trained`, or as placeholders), or every master piece of this rank
     (`pieces`, which the user's optimizer lists), since the norm of part of them needs whole
     gradients; none may be another tensor (`owned`: the ids of those it trains) holding a gradient (a rank's own, not reduced). The
     verdict follows from what every rank holds alike (the model, the call), so every rank raises.
-    Nor can it with a delayed update (the step runs in the background), tensor parallelism (a
-    rank's group shards each gradient: the config refuses clip_grad_norm there for the same reason),
-    or inside the config's gradient_accumulation_steps window (`mid_window`: torch would clip the
-    part summed so far)."""
+    Nor can it with a delayed update (the step runs in the background), or inside the config's
+    gradient_accumulation_steps window (`mid_window`: torch would clip the part summed so far)."""
     def refuse(why: str):
         raise GradientsInChunksError(
             f"zeroshard: torch.nn.utils.clip_grad_norm_ was given parameters that zeroshard trains, but {why}. "
             "Set the config's clip_grad_norm instead (the same global L2 norm, over every shard)")
     if delayed:
         refuse("the config's delay_update_after steps in the background")
-    if tensor_parallel:
-        refuse("tensor parallelism shards each gradient within a rank's group")
     if mid_window:
         refuse("the call comes inside the config's gradient_accumulation_steps window, before its last backward")
     if float(norm_type) != 2.0:

@@ -55,7 +55,7 @@ class WindowGradients:
             share, norm_here = self._norm_share(self.comm, exact=True)
             _, overflow, sq = agree_grads(self.comm, self.chunks, self._ready_grads(), self._grads_seen(),
                                           self._inv_scale(), finite_check=True, measure_norm=True, exact_norm=True,
-                                          share=share, norm_here=norm_here)
+                                          share=share, norm_here=norm_here, tp=self._tp_for(self.comm))
             self._user_clip = (math.inf if overflow else math.sqrt(sq), [])
         norm, caps = self._user_clip
         _, now = clipped(norm, caps)
@@ -69,11 +69,15 @@ class WindowGradients:
         """(share, norm_here) of agree_grads. Stage 0: every rank holds the whole gradient: one rank
         measures it for clipping (the exact norm), each rank its share otherwise (no rank then waits
         for one rank's pass). Hybrid: the other shard groups repeat the first's reduced shards, which
-        would count once per group."""
-        share = (comm.rank, comm.world) if self.stage == 0 and not exact else None
+        would count once per group. Tensor parallelism: whole gradients (TensorParallelNorm.part)."""
+        share = (comm.rank, comm.world) if self.stage == 0 and not exact and self.tp_norm is None else None
         if self.stage == 0:
             return share, comm.rank == 0 or share is not None
         return share, self.shards.replica == 0 or self.shards.split
+
+    def _tp_for(self, comm):
+        """The TP group's agreement of a step agreed over `comm` (None without tensor parallelism)."""
+        return None if self.tp_norm is None else self.tp_norm.on(main=comm is self.comm)
 
     @property
     def clip_pending(self) -> bool:
