@@ -6,6 +6,7 @@ unfreezing and LoRA through peft, against single-process PyTorch on the global b
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
@@ -199,6 +200,63 @@ def lora(rank, world, stage):
 
 for _stage in range(4):
     SCENARIOS[f"lora_stage{_stage}"] = lambda rank, world, stage=_stage: lora(rank, world, stage)
+
+
+# What peft decides by method to save beside ".<adapter>." tensors: a ParameterDict's entries (LoRA's
+# embedding adapters, IA3's scales), modules_to_save (read from the module's own state_dict, at
+# stage 3 a gather), trainable tokens, and a targeted embedding's whole base layer.
+PEFT_SAVES = {
+    "embedding_and_head": dict(kind="lora", target_modules=["embed_tokens", "q_proj"], modules_to_save=["lm_head"]),
+    "ia3": dict(kind="ia3", target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    "trainable_tokens": dict(kind="lora", target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [1, 2, 5]}),
+}
+
+
+def peft_model(setting: dict):
+    import peft
+    import transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64))
+    kw = {k: v for k, v in setting.items() if k != "kind"}
+    config = peft.LoraConfig(r=4, init_lora_weights=False, **kw) if setting["kind"] == "lora" else peft.IA3Config(**kw)
+    return peft.get_peft_model(base, config)
+
+
+def peft_saves(rank, world, stage, name):
+    """engine.save_pretrained of a peft model writes what peft's own save_pretrained writes for the
+    trained model (every key, every value), and PeftModel.from_pretrained opens it."""
+    import peft
+    from safetensors.torch import load_file
+    model = peft_model(PEFT_SAVES[name])
+    engine = zeroshard.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.5), {"stage": stage, "chunk_size": 4000})
+    for step in batches(2, world, 1, vocab=64, seq=8):
+        engine.backward(loss_of(engine, step[0, rank]))
+        engine.step()
+    full = engine.full_state_dict()
+    path = shared_temp_dir()
+    engine.save_pretrained(path)
+    if rank != 0:
+        return {}
+    plain = peft_model(PEFT_SAVES[name])
+    plain.load_state_dict(full)
+    plain_path = tempfile.mkdtemp()
+    plain.save_pretrained(plain_path)
+    mine, want = (load_file(os.path.join(d, "adapter_model.safetensors")) for d in (path, plain_path))
+    loaded = peft.PeftModel.from_pretrained(peft_model(PEFT_SAVES[name]).get_base_model(), path).state_dict()
+    trained = [k for k, p in plain.named_parameters() if p.requires_grad]
+    return {"keys": sorted(mine), "plain_keys": sorted(want),
+            "value_diff": max(float((mine[k] - want[k]).abs().max()) for k in want if k in mine),
+            "loaded_diff": max(float((loaded[k] - full[k]).abs().max()) for k in trained),
+            "trained_moved": min(float((full[k] - v).abs().max()) for k, v in
+                                 peft_model(PEFT_SAVES[name]).state_dict().items() if k in trained)}
+
+
+for _stage in (0, 3):
+    for _name in PEFT_SAVES:
+        SCENARIOS[f"peft_saves_{_name}_stage{_stage}"] = \
+            lambda rank, world, stage=_stage, name=_name: peft_saves(rank, world, stage, name)
 
 
 def run(rank, world, out_path, only=None):

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from distributed import WorldResults, ok  # noqa: E402
-from finetune_scenarios import run  # noqa: E402
+from finetune_scenarios import PEFT_SAVES, run  # noqa: E402
 from models import ADAMW_TOL, TOL  # noqa: E402
 
 _results = WorldResults(run, "finetune")
@@ -58,3 +58,17 @@ def test_lora_through_peft(res, stage):
     if "files" in got:  # rank 0 opened the save
         assert "adapter_model.safetensors" in got["files"] and "adapter_config.json" in got["files"]
         assert got["adapter_keys"] == 8 and got["adapter_diff"] == 0.0
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("name", list(PEFT_SAVES))
+def test_a_peft_models_save_holds_what_peft_saves(res, name, stage):
+    """engine.save_pretrained of a peft model writes peft's own file for the trained model: the same
+    keys and values as peft's save_pretrained of that model, loaded by PeftModel.from_pretrained.
+    Before, adapters in a ParameterDict (LoRA's embedding adapters, IA3's scales) and a targeted
+    embedding's base layer were left out (the load kept their initial values, silently), trainable
+    tokens raised KeyError, and modules_to_save at stage 3 above a world of 1 raised DivergedError."""
+    got = ok(res[0], f"peft_saves_{name}_stage{stage}")
+    assert got["keys"] == got["plain_keys"] and got["keys"]
+    assert got["value_diff"] == 0.0 and got["loaded_diff"] == 0.0
+    assert got["trained_moved"] > 0  # every trained tensor differs from its initial value

@@ -27,6 +27,7 @@ from .export import StreamedSafetensors, remove_partials
 from ..distributed.tensor_parallel import region, whole_shape
 from ..errors import ConfigError, WeightsError
 from ..files.weight_files import INDEX, WEIGHTS, Match, WeightFiles, raise_on_every_rank, match
+from ..runtime.placeholder import real_parameter
 from .view import TrainingState
 
 log = logging.getLogger("zeroshard")
@@ -216,21 +217,49 @@ def adapter_marks(module: nn.Module) -> tuple[str, ...]:
     return tuple(f".{name}." for name in configs)
 
 
+def adapter_keys(module: nn.Module) -> list[str]:
+    """Every rank: the state-dict keys whose values peft's save_pretrained writes, found by running
+    its selection (get_peft_model_state_dict, every adapter) over stand-ins on the meta device and
+    keeping the keys whose stand-ins it returned. peft decides by method what it saves: besides
+    names holding ".<adapter>.", a ParameterDict's entries (LoRA's embedding adapters, IA3's
+    scales: "...lora_embedding_A.default"), modules_to_save, trainable tokens, and whole
+    embedding layers where an embedding is targeted; a filter on names had left some out, and peft
+    then wrote the adapter without them, silently, or raised a KeyError."""
+    from peft.utils import get_peft_model_state_dict
+    held = module.state_dict(keep_vars=True)  # the tensors themselves: no value is read
+    stand_ins = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in held.items()
+                 if isinstance(v, torch.Tensor)}
+    key_of = {id(v): k for k, v in stand_ins.items()}
+    keys = set()
+    for adapter in module.peft_config:
+        chosen = get_peft_model_state_dict(module, state_dict=stand_ins, adapter_name=adapter)
+        keys |= {key_of[id(v)] for v in chosen.values() if id(v) in key_of}
+    return [k for k in stand_ins if k in keys]
+
+
 def save_adapter(view: TrainingState, path: str, dtype: torch.dtype | None) -> str:
     """Collective: a peft model's adapters in peft's own format (what `PeftModel.save_pretrained`
-    writes, and `PeftModel.from_pretrained` opens): only the chunks holding adapter tensors are
-    gathered, never the frozen base; rank 0 hands peft their whole values to write."""
-    marks = adapter_marks(view.module)
-    order = [s.name for c in view.chunks for s in c.slots if any(m in s.name for m in marks)]
+    writes, and `PeftModel.from_pretrained` opens): only the chunks holding what peft saves are
+    gathered (`adapter_keys`), not the frozen base; every rank then runs peft's save_pretrained
+    on those whole values, rank 0 writing (peft's is_main_process), since peft lists a
+    modules_to_save module's keys from its state_dict(), at stage 3 a gather every rank makes."""
+    keys = adapter_keys(view.module)
     if view.tp is not None:
-        order = view.tp.comm.broadcast_object(order)
-    state = {s.name: value.to(dtype or torch.float32).cpu().clone() for s, value in whole_values(view, order)}
+        keys = view.tp.comm.broadcast_object(keys)
+    held = view.module.state_dict(keep_vars=True)
+    slots = [s for c in view.chunks for s in c.slots]
+    position, slot_of = {s.name: i for i, s in enumerate(slots)}, {id(s.param): s.name for s in slots}
+    # stage 3's placeholders stand for the slots' parameters; the keys of no slot are buffers
+    names = {k: slot_of[id(real_parameter(held[k]))] for k in keys if id(real_parameter(held[k])) in slot_of}
+    wanted = sorted(set(names.values()), key=position.__getitem__)  # chunk order: one gathered at a time
+    cast = lambda t: t.to(dtype or torch.float32).cpu().clone()  # noqa: E731
+    values = {s.name: cast(value) for s, value in whole_values(view, wanted)}
+    state = {k: values[names[k]] if k in names else cast(held[k].detach()) for k in keys}
     problems = []
-    if view.world_comm.rank == 0:
-        try:
-            view.module.save_pretrained(path, state_dict=state)
-        except Exception as e:  # noqa: BLE001 -- reported on every rank
-            problems.append(f"{type(e).__name__}: {e}")
+    try:
+        view.module.save_pretrained(path, state_dict=state, is_main_process=view.world_comm.rank == 0)
+    except Exception as e:  # noqa: BLE001 -- reported on every rank
+        problems.append(f"{type(e).__name__}: {e}")
     raise_on_every_rank(view.world_comm, problems, what=f"saving the adapters to {path} failed:")
     return path
 
