@@ -1,6 +1,7 @@
 """Contract scenarios on the wrapped model as a torch.nn.Module (contract_scenarios.py):
 load_state_dict after initialize, a parameter a forward returns, nn.MultiheadAttention, parameters
-read outside every forward (CLIP's contrastive loop, an EMA copy), the module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
+read outside every forward (CLIP's contrastive loop, an EMA copy), custom autograd Functions given
+parameters, the module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
 within an accumulation window.
 """
 from __future__ import annotations
@@ -174,6 +175,71 @@ def read_outside_forward(rank, world, make_opt, stage):
 
 
 per_optimizer_and_stage(SCENARIOS, "read_outside_forward", read_outside_forward)
+
+
+# -- custom autograd Functions given parameters ---------------------------------------------------------------
+class _LinearFn(torch.autograd.Function):
+    """A fused kernel's shape (a linear cross-entropy given lm_head.weight): parameters as inputs."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]).sum(0)
+
+
+class _ScaleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * s, (g * x).sum().reshape(s.shape)
+
+
+class FusedHead(torch.nn.Module):
+    """The head applied by a custom Function in the model's forward (the head module never runs), a
+    Function scaling by a parameter that starts frozen, and a scale the loss applies by one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.late = torch.nn.Parameter(torch.tensor(0.7), requires_grad=False)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return _ScaleFn.apply(_LinearFn.apply(torch.tanh(self.body(x)), self.head.weight, self.head.bias), self.late)
+
+
+def _through_functions(m, x, step, *_):
+    if step == 1:  # unfrozen: its gradient comes through a Function from now on
+        getattr(m, "module", m).late.requires_grad_(True)
+    return _ScaleFn.apply(m(x), getattr(m, "module", m).scale).pow(2).mean()
+
+
+def custom_function(rank, world, make_opt, stage):
+    """A custom torch.autograd.Function given a parameter outside the forward of the module owning
+    it (the model's forward applying a fused head to head.weight, the loss scaling by the model's
+    scale) trains as in torch. At stage 3 the Function got the placeholder (apply is below
+    __torch_function__) and autograd accumulated the gradient there: those parameters silently
+    trained on nothing (placeholder.py's Note: gradients past the placeholder)."""
+    cfg = {"stage": stage, "chunk_size": 100, **({"cache_chunks": 1} if stage == 3 else {})}
+    engine, diff = parity(rank, world, FusedHead, _through_functions, inputs(3, world, 4, 8), make_opt, cfg)
+    start = FusedHead().state_dict()
+    full = engine.full_state_dict()
+    return {"diff": diff, "chunks": len(engine.chunks),
+            "moved": min(float((full[k] - start[k]).abs().max()) for k in ("head.weight", "head.bias", "scale", "late"))}
+
+
+per_optimizer_and_stage(SCENARIOS, "custom_function", custom_function)
 
 
 # -- the module's own API on the wrapped model ------------------------------------------------------------

@@ -141,6 +141,13 @@ def test_parameters_read_outside_every_forward_train_as_in_torch(res, opt, stage
 
 
 @pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_custom_autograd_functions_given_parameters_train_as_in_torch(res, opt, stage):
+    got = ok(res[0], f"custom_function_{opt}_stage{stage}")
+    assert got["chunks"] >= 2 and got["diff"] <= TOL[opt] and got["moved"] > 1e-3, got
+
+
+@pytest.mark.parametrize("stage", range(4))
 def test_the_module_api_and_full_parameters_on_the_wrapped_model(res, stage):
     got = ok(res[0], f"module_api_stage{stage}")
     assert got["frozen_kept"] and got["others_moved"] and got["state_dict_equal"] and got["pretrained_equal"]

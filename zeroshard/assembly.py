@@ -31,6 +31,7 @@ from .runtime.packing import auto_chunk_size, pack_groups
 from .runtime.hooks import Stage3Hooks
 from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues
+from .runtime.placeholder import catch_gradients
 from .runtime.grad_readers import GradReaders, guard_grad_readers
 from .runtime.module_state import StateDictLoading, guard_moves, route_zero_grad, sync_generation
 from .runtime.replacements import unwatch, watch
@@ -237,7 +238,7 @@ class EngineCalls:
     zero_grad: Callable[[], None]  # model.zero_grad()
     leaf_backward_done: Callable  # stage 3: the gradient went back through a leaf unit
     before_load: Callable[[], bool]  # model.load_state_dict is about to write parameters
-    grad_arrived: Callable  # a parameter's gradient was accumulated
+    grad_arrived: Callable  # a parameter's gradient was accumulated: (param) from its .grad, or (param, grad)
     owned: Callable  # of a list of tensors, the ids of those the engine trains (runtime/grad_readers.py)
     clip_grad_norm: Callable  # torch.nn.utils.clip_grad_norm_ given what the engine trains
 
@@ -266,6 +267,8 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
                             on_borrow=layout.forget, leaves=world.leaves, on_leaf_backward=on.leaf_backward_done)
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
         parts.reducer.count_at_leaf_end(hooks.params_counted_at_leaf_end())
+        # placeholder.py's Note: gradients past the placeholder
+        catch_gradients([t for entries in hooks.placeholders.values() for _, t in entries], on.grad_arrived)
     route_zero_grad(module, on.zero_grad)
     # a forward is a collective
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)

@@ -333,7 +333,7 @@ class Engine(EngineIO):
         elif self.cache.recording:
             self.cache.restart_recording()
 
-    def _grad_arrived(self, p: nn.Parameter) -> None:
+    def _grad_arrived(self, p: nn.Parameter, grad: torch.Tensor | None = None) -> None:  # grad: else p.grad
         if self.phase is not TrainingPhase.BACKWARD:
             try:
                 self._begin_backward(by_autograd=True)
@@ -342,7 +342,7 @@ class Engine(EngineIO):
                 raise
         self.shards.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
-        self.reducer.add(chunk, slot, local_grad(p, p.grad))
+        self.reducer.add(chunk, slot, local_grad(p, p.grad if grad is None else grad))
         p.grad = None
         if self.timeline is not None:  # before finishing reductions: the most gradient buffers held
             self.timeline.sample("backward", slot.name)

@@ -78,6 +78,8 @@ class ShardedPlaceholder(torch.Tensor):
         t._zs_borrow = None  # Stage3Hooks.borrow: the real parameter, gathered, where it may be read
         t._zs_used = None  # Stage3Hooks.used: after the operation that read it
         t._zs_param = None  # the real parameter it stands in for
+        t._zs_grad_sink = None  # catch_gradients: where a gradient accumulated into it goes
+        t._zs_catching = False  # its hook for that is on
         # isinstance(t, nn.Parameter), as the entry it occupies: code that moves a parameter from
         # one entry to another (torch's parametrize, around peft's LoRA of an MoE's experts) keeps
         # it a parameter, not a buffer
@@ -101,6 +103,7 @@ class ShardedPlaceholder(torch.Tensor):
             func(args[0]._zs_param, *args[1:], **(kwargs or {}))
             with torch._C.DisableTorchFunctionSubclass():
                 func(*args, **(kwargs or {}))
+            _catch(args[0])
             return args[0] if func is torch.Tensor.requires_grad_ else None
         if func == torch.Tensor.data.__set__ and isinstance(args[0], ShardedPlaceholder):  # nn.Module._apply's
             raise ModuleMovedError(
@@ -146,3 +149,35 @@ class ShardedPlaceholder(torch.Tensor):
         if func is torch.ops.aten.set_.source_Tensor and len(args) == 2 and args[1] is args[0]:
             return args[0]
         raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
+
+
+# Note: gradients past the placeholder. An operation on a placeholder in a forward or outside every
+# one runs on the real parameter (__torch_function__ swaps it in), so autograd records the real one
+# and its gradient reaches the chunk. A custom torch.autograd.Function's apply takes its tensors as
+# they are, below __torch_function__: its forward gets the placeholder (the operations inside still
+# run on the real values), and autograd records the placeholder as the input, so the gradient was
+# accumulated into the placeholder's .grad, where nothing read it: the parameter silently trained on
+# nothing (a fused linear-cross-entropy kernel given lm_head.weight in the model's forward, a
+# Function in the user's loss). Each placeholder of a trainable parameter has a hook that hands
+# such a gradient to the engine as the real parameter's.
+def catch_gradients(placeholders, arrived) -> None:
+    """Hand a gradient autograd accumulates into any of `placeholders` to `arrived(param, grad)`
+    (the real parameter's storage may be released, so it cannot hold it as .grad), now and when a
+    frozen one's parameter is unfrozen."""
+    for t in placeholders:
+        t._zs_grad_sink = arrived
+        _catch(t)
+
+
+def _catch(t: ShardedPlaceholder) -> None:
+    if t._zs_grad_sink is None or t._zs_catching or not t.requires_grad:
+        return
+    with torch._C.DisableTorchFunctionSubclass():
+        t.register_post_accumulate_grad_hook(_to_parameter)
+    t._zs_catching = True
+
+
+def _to_parameter(t: ShardedPlaceholder) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        grad, t.grad = t.grad, None
+    t._zs_grad_sink(t._zs_param, grad)

@@ -10,14 +10,25 @@ does not hold, ParameterReplacedError is raised before the assignment lands, on 
 it. Assigning the parameters it already holds (tying weights, moving a submodule), a placeholder of
 stage 3, None, or a module without parameters passes; the module then joins the watch.
 
+A parametrization registered after initialize (torch.nn.utils.parametrize) moves a held parameter
+to `<module>.parametrizations.<name>.original` and computes the name's value from it at each read:
+the chunks' names, the state dict's keys and stage 3's entries stay where they were (a
+full_state_dict whose keys the parametrized model refuses; at stage 3 the next forward after
+`full_parameters()` read the stale entry). It is refused as the ParametrizationList takes the
+parameter, before torch changes the module; but inside a forward of one of the model's modules,
+where one that parametrizes for the call and removes it after is the model's own business (peft's
+LoRA of a fused MoE's parameters, ParamWrapper, does so at every forward).
+
 Each model is watched from the end of initialize until a later initialize over it begins (which
 may itself assign parameters: a model built on the meta device gets real ones).
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch.nn as nn
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 
 from ..errors import ParameterReplacedError
@@ -73,6 +84,8 @@ def _refuse(where: str, what: str) -> ParameterReplacedError:
 
 def _on_parameter(module: nn.Module, name: str, param):
     w = _watches.get(module)
+    if w is None and isinstance(module, ParametrizationList):
+        _refuse_parametrization(param)
     if w is not None and not w.known(param):
         raise _refuse(_where(w, module, name), f"a new parameter of shape {tuple(param.shape)}")
 
@@ -89,3 +102,32 @@ def _on_module(module: nn.Module, name: str, child):
     for n, m in child.named_modules():
         _watches[m] = w
         w.names.setdefault(m, f"{prefix}.{n}" if n else prefix)
+
+
+def _refuse_parametrization(param) -> None:
+    """A ParametrizationList (not yet in any model) takes `param`: refused where a watched model
+    holds it, outside the forwards of its modules (module docstring)."""
+    running = _modules_running()
+    for w in set(_watches.values()):
+        if any(m in w.names for m in running):
+            continue
+        for m, prefix in list(w.names.items()):
+            name = next((n for n, p in m._parameters.items() if p is param), None)
+            if name is not None:
+                where = f"{prefix}.{name}" if prefix else name
+                raise ParameterReplacedError(
+                    f"zeroshard: a parametrization registered on {where} after initialize: it would move the "
+                    "parameter zeroshard holds under another name (the chunks, state dicts and stage 3's entries "
+                    "keep the old one). Register parametrizations before zeroshard.initialize")
+
+
+def _modules_running() -> list[nn.Module]:
+    """The modules whose __call__ is on this thread's stack (read only when a parametrization is
+    registered, so the walk costs nothing on the training path)."""
+    calls = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+    out, frame = [], sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in calls and isinstance(frame.f_locals.get("self"), nn.Module):
+            out.append(frame.f_locals["self"])
+        frame = frame.f_back
+    return out
