@@ -1,7 +1,7 @@
 """Contract scenarios on the wrapped model as a torch.nn.Module (contract_scenarios.py):
 load_state_dict after initialize, a parameter a forward returns, nn.MultiheadAttention, parameters
 read outside every forward (CLIP's contrastive loop, an EMA copy), custom autograd Functions given
-parameters, the module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
+parameters, torch.func.functional_call, the module's own API, 16-bit precision with fp32 buffers and activations, and model.zero_grad()
 within an accumulation window.
 """
 from __future__ import annotations
@@ -240,6 +240,44 @@ def custom_function(rank, world, make_opt, stage):
 
 
 per_optimizer_and_stage(SCENARIOS, "custom_function", custom_function)
+
+
+# -- torch.func.functional_call with tensors of the call's own --------------------------------------------------
+class ThreeLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = torch.nn.Linear(8, 12), torch.nn.Linear(12, 12), torch.nn.Linear(12, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _perturbed(through_engine: bool):
+    def loss(m, x, *_):
+        if not through_engine:  # the engine's loss_of gets the engine: call its module
+            m = getattr(m, "module", m)
+        params = {n: p * 1.1 if f".{n}".endswith((".b.weight", ".b.bias")) else p for n, p in m.named_parameters()}
+        return torch.func.functional_call(m, params, (x,)).pow(2).mean()
+    return loss
+
+
+def functional_call(rank, world, make_opt, stage):
+    """torch.func.functional_call with some parameters replaced by tensors computed from them (weight
+    perturbation, MAML's inner step), on the wrapped model and on the engine, from the first forward
+    on, trains as in torch. Stage 3 put the real parameters over the call's tensors and computed
+    the unperturbed model, silently (1.6e-3 off after 3 steps); on the engine at stages 0-2 the
+    first forward recorded the call's tensors as the order of first use (a raw KeyError)."""
+    cfg = {"stage": stage, "chunk_size": 100, **({"cache_chunks": 1} if stage == 3 else {})}
+    out = {}
+    for where in ("module", "engine"):
+        engine, out[where] = parity(rank, world, ThreeLayers, _perturbed(where == "engine"), inputs(3, world, 4, 8),
+                                    make_opt, cfg)
+        out["chunks"] = len(engine.chunks)
+    return out
+
+
+per_optimizer_and_stage(SCENARIOS, "functional_call", functional_call)
 
 
 # -- the module's own API on the wrapped model ------------------------------------------------------------

@@ -148,6 +148,13 @@ def test_custom_autograd_functions_given_parameters_train_as_in_torch(res, opt, 
 
 
 @pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_functional_call_with_the_calls_own_tensors_trains_as_in_torch(res, opt, stage):
+    got = ok(res[0], f"functional_call_{opt}_stage{stage}")
+    assert got["chunks"] >= 2 and got["module"] <= TOL[opt] and got["engine"] <= TOL[opt], got
+
+
+@pytest.mark.parametrize("stage", range(4))
 def test_the_module_api_and_full_parameters_on_the_wrapped_model(res, stage):
     got = ok(res[0], f"module_api_stage{stage}")
     assert got["frozen_kept"] and got["others_moved"] and got["state_dict_equal"] and got["pretrained_equal"]

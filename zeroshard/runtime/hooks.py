@@ -268,9 +268,13 @@ class Stage3Hooks:
         self._swap_borrowed(unit, real)
 
     def _swap(self, unit: nn.Module, real: bool) -> None:
+        # An entry holding another tensor keeps it: torch.func.functional_call's stand-ins for the
+        # call (the parameters were swapped in over them, and the forward ran on the real ones)
         for m in self.units[unit]:
-            for n, t in (self.direct[m] if real else self.placeholders[m]):
-                m._parameters[n] = t
+            for (n, p), (_, t) in zip(self.direct[m], self.placeholders[m]):
+                now = m._parameters.get(n)
+                if now is None or now is p or now is t:
+                    m._parameters[n] = p if real else t
 
     def _pre_forward(self, unit, args):
         for c in self.chunks_of(unit):  # cache.py's Note: forwards without autograd

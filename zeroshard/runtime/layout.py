@@ -178,8 +178,10 @@ class ChunkLayout:
         as rank 0 recorded it. Ranks whose first forward differed (data-dependent control flow)
         would otherwise pack different chunks and pair collectives of different parameters (stage
         0: silently wrong sums; stages 1-2: a hang in the re-pack's all-gather)."""
-        seen = {id(p) for p in self.recorder.order}
-        order = self.recorder.order + [p for p in params if id(p) not in seen]
+        held = {id(p) for p in params}  # not a tensor torch.func.functional_call put in an entry for its call
+        recorded = [p for p in self.recorder.order if id(p) in held]
+        seen = {id(p) for p in recorded}
+        order = recorded + [p for p in params if id(p) not in seen]
         if self.comm.world == 1:
             return order
         index = {id(p): i for i, p in enumerate(params)}
@@ -217,12 +219,16 @@ class ChunkLayout:
         """The chunks holding `module`'s direct parameters, in order of first appearance."""
         got = self._module_chunks.get(module)
         if got is None:
-            got = []
+            got, foreign = [], False
             for _, p in self.real_params(module):
+                if id(p) not in self.slot_of:  # a tensor torch.func.functional_call put there for its call
+                    foreign = True
+                    continue
                 c = self.slot_of[id(p)][0]
                 if c not in got:
                     got.append(c)
-            self._module_chunks[module] = got
+            if not foreign:
+                self._module_chunks[module] = got
         return got
 
     @torch.no_grad()
