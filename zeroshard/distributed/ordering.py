@@ -214,7 +214,10 @@ class OrderCheck:
                 f"another rank is about to {describe_tag(hi if hi != mine else lo)}. Every rank must "
                 "call the same modules in the same order and run the same micro-batches (a rank that "
                 "caught an exception inside forward or backward and carried on is out of step with "
-                "the others; data-dependent control flow that differs between ranks is not supported).")
+                "the others; data-dependent control flow that differs between ranks is not supported; "
+                "at stage 3 a parameter read outside a forward is gathered, so code reading one on some "
+                "ranks only, as `if rank == 0: model.state_dict()`, diverges: read on every rank, or "
+                "use engine.full_state_dict(rank0_only=True)).")
         self.raise_if_failed()
 
     def agree(self, tag: int) -> None:
