@@ -230,12 +230,14 @@ def custom_function(rank, world, make_opt, stage):
     it (the model's forward applying a fused head to head.weight, the loss scaling by the model's
     scale) trains as in torch. At stage 3 the Function got the placeholder (apply is below
     __torch_function__) and autograd accumulated the gradient there: those parameters silently
-    trained on nothing (placeholder.py's Note: gradients past the placeholder)."""
+    trained on nothing (placeholder.py's Note: gradients past the placeholder). The reads inside
+    the Functions (under no_grad) and in their backward follow stage 3's recorded schedule: no
+    departures (4 a step from the third on, when those were left out of the recording)."""
     cfg = {"stage": stage, "chunk_size": 100, **({"cache_chunks": 1} if stage == 3 else {})}
     engine, diff = parity(rank, world, FusedHead, _through_functions, inputs(3, world, 4, 8), make_opt, cfg)
     start = FusedHead().state_dict()
     full = engine.full_state_dict()
-    return {"diff": diff, "chunks": len(engine.chunks),
+    return {"diff": diff, "chunks": len(engine.chunks), "departures": engine.stats().get("schedule_departures"),
             "moved": min(float((full[k] - start[k]).abs().max()) for k in ("head.weight", "head.bias", "scale", "late"))}
 
 

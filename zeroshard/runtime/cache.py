@@ -40,7 +40,13 @@ sequence again. Departures are counted and logged once; they never stop training
 
 Note: forwards without autograd. A forward under no_grad or inference_mode (an evaluation between
 steps, Lightning's validation loop) is no part of a training step's sequence: recorded, it put a
-whole forward at the head of the schedule, and every later training step departed from it.
+whole forward at the head of the schedule, and every later training step departed from it. A
+backward runs with autograd's grad mode off, yet is part of the step: a use there (a custom
+Function's backward reading a parameter outside every forward) is recorded (`in_step`); skipped,
+it was not in the schedule and every later step departed from it 4 times. A use outside the step
+within a training pass (a custom Function's forward in the loss reads a parameter under no_grad)
+is not followed either; in a pass without autograd (an evaluation) uses follow the schedule where
+they match it, for its prefetches, and are no departure where they do not.
 """
 from __future__ import annotations
 
@@ -48,10 +54,18 @@ import bisect
 import logging
 from collections import OrderedDict
 
+import torch
+
 from .chunks import Chunk, ChunkState
 from ..errors import invariant
 
 log = logging.getLogger("zeroshard")
+
+
+def in_step() -> bool:
+    """Whether a chunk use now belongs to a training step's sequence (Note: forwards without
+    autograd): under autograd, or inside a backward."""
+    return torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
 READ_AHEAD = 3  # shards read ahead past the chunk prefetched (the parameter tier has 4 frames)
 UNLIMITED_AHEAD = 4  # chunks gathering beyond the next one, with no cache_chunks (Note: prefetch depth)
 
@@ -71,6 +85,7 @@ class ChunkCache:
         self._positions: dict[int, list[int]] = {}  # chunk index -> its positions in the schedule
         self.chunks_by_index: dict[int, Chunk] = {}
         self.cursor = 0
+        self._pass_in_step = True  # the pass since the last rewind is a training step's (rewind)
         self.overflows = 0
         self.peak = 0  # most chunks cached at once since the last reset
         self.peak_bytes = 0  # most bytes of gathered chunks held at once since the last reset
@@ -122,6 +137,7 @@ class ChunkCache:
         """A forward begins: follow the schedule from its start, whose first chunks start
         gathering now (together: the second's gather then runs beside the first's)."""
         self.cursor = 0
+        self._pass_in_step = in_step()
         self._maybe_prefetch()
 
     # -- use -----------------------------------------------------------------------------------
@@ -273,6 +289,8 @@ class ChunkCache:
                 self.schedule.append(index)
                 self._positions.setdefault(index, []).append(len(self.schedule) - 1)
             return
+        if not recorded and self._pass_in_step:  # outside the step within a step's pass: not followed
+            return
         sched = self.schedule
         if self.cursor and sched[self.cursor - 1] == index:
             return  # another use of the current chunk (the schedule stores runs once)
@@ -280,7 +298,8 @@ class ChunkCache:
             self.cursor += 1
             self.off_schedule = False
             return
-        self._depart(index)
+        if recorded:  # one no part of the step (Note: forwards without autograd) is no departure either
+            self._depart(index)
 
     def _depart(self, index: int) -> None:
         """A use the schedule did not expect: resume after this chunk's next occurrence, if any;

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .cache import in_step
 from .chunks import ChunkState
 from .placeholder import ShardedPlaceholder
 from ..errors import ShardedParameterError
@@ -181,6 +182,7 @@ class Stage3Hooks:
         # recomputation early by raising inside the forward, so some never end: they are closed
         # when backward ends (and an exception in a user's forward leaves some for the next call).
         self.active: list[nn.Module] = []
+        self._step = True  # the outermost forward running belongs to a training step (_pre_forward)
         self.in_backward = False
         self._handles = []
         for m in self.units:
@@ -231,7 +233,7 @@ class Stage3Hooks:
             self.on_borrow(m)
             for c in self.chunks_of(m):  # released with m's own when its forward ends
                 if c not in before:
-                    self.cache.acquire(c, recorded=torch.is_grad_enabled())
+                    self.cache.acquire(c, recorded=self._step)
             owner._parameters[name] = p
         return p
 
@@ -268,8 +270,7 @@ class Stage3Hooks:
         self._swap_borrowed(unit, real)
 
     def _swap(self, unit: nn.Module, real: bool) -> None:
-        # An entry holding another tensor keeps it: torch.func.functional_call's stand-ins for the
-        # call (the parameters were swapped in over them, and the forward ran on the real ones)
+        # an entry holding another tensor (torch.func.functional_call's, for its call) keeps it
         for m in self.units[unit]:
             for (n, p), (_, t) in zip(self.direct[m], self.placeholders[m]):
                 now = m._parameters.get(n)
@@ -277,8 +278,10 @@ class Stage3Hooks:
                     m._parameters[n] = p if real else t
 
     def _pre_forward(self, unit, args):
-        for c in self.chunks_of(unit):  # cache.py's Note: forwards without autograd
-            self.cache.acquire(c, recorded=torch.is_grad_enabled())
+        # the outermost forward's mode stands for what runs inside it (cache.py's Note: forwards without autograd)
+        self._step = self._step if self.active else in_step()
+        for c in self.chunks_of(unit):
+            self.cache.acquire(c, recorded=self._step)
         self._show(unit, True)
         self.active.append(unit)
 
