@@ -219,22 +219,22 @@ def adapter_marks(module: nn.Module) -> tuple[str, ...]:
 
 def adapter_keys(module: nn.Module) -> list[str]:
     """Every rank: the state-dict keys whose values peft's save_pretrained writes, found by running
-    its selection (get_peft_model_state_dict, every adapter) over stand-ins on the meta device and
-    keeping the keys whose stand-ins it returned. peft decides by method what it saves: besides
+    its selection (get_peft_model_state_dict, every adapter) over meta tensors of the values'
+    shapes and keeping the keys whose meta tensors it returned. peft decides by method what it saves: besides
     names holding ".<adapter>.", a ParameterDict's entries (LoRA's embedding adapters, IA3's
     scales: "...lora_embedding_A.default"), modules_to_save, trainable tokens, and whole
     embedding layers where an embedding is targeted; a filter on names had left some out, and peft
     then wrote the adapter without them, silently, or raised a KeyError."""
     from peft.utils import get_peft_model_state_dict
     held = module.state_dict(keep_vars=True)  # the tensors themselves: no value is read
-    stand_ins = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in held.items()
-                 if isinstance(v, torch.Tensor)}
-    key_of = {id(v): k for k, v in stand_ins.items()}
+    shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in held.items()
+              if isinstance(v, torch.Tensor)}
+    key_of = {id(v): k for k, v in shapes.items()}
     keys = set()
     for adapter in module.peft_config:
-        chosen = get_peft_model_state_dict(module, state_dict=stand_ins, adapter_name=adapter)
+        chosen = get_peft_model_state_dict(module, state_dict=shapes, adapter_name=adapter)
         keys |= {key_of[id(v)] for v in chosen.values() if id(v) in key_of}
-    return [k for k in stand_ins if k in keys]
+    return [k for k in shapes if k in keys]
 
 
 def save_adapter(view: TrainingState, path: str, dtype: torch.dtype | None) -> str:
