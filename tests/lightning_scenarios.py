@@ -151,6 +151,88 @@ def metrics_csv(trainer) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+HOOKS = ("on_before_backward", "backward", "on_after_backward", "on_before_optimizer_step",
+         "configure_gradient_clipping")
+HOOK_CLIP = 0.01  # what the module's configure_gradient_clipping clips to: below every step's norm
+
+
+def hooked_class():
+    import lightning.pytorch as pl
+
+    class Hooked(pl.LightningModule):
+        """Overrides Lightning's backward and optimizer-step hooks, clipping in its own
+        configure_gradient_clipping."""
+
+        def __init__(self, manual=False):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+            self.calls = dict.fromkeys(HOOKS, 0)
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return ((self.net(x) - y) ** 2).mean()
+
+        def on_before_backward(self, loss):
+            self.calls["on_before_backward"] += 1
+
+        def backward(self, loss, *args, **kwargs):
+            self.calls["backward"] += 1
+            loss.backward(*args, **kwargs)
+
+        def on_after_backward(self):
+            self.calls["on_after_backward"] += 1
+
+        def on_before_optimizer_step(self, optimizer):
+            self.calls["on_before_optimizer_step"] += 1
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.calls["configure_gradient_clipping"] += 1
+            self.clip_gradients(optimizer, gradient_clip_val=HOOK_CLIP, gradient_clip_algorithm="norm")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+    return Hooked
+
+
+def hooked_data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(40, 8, generator=g), torch.randn(40, 4, generator=g)
+
+
+def hooked_fit(rank: int, world: int, stage: int, manual: bool = False) -> dict:
+    """The module's hook overrides run at every step, its clipping included: it trains what plain
+    PyTorch trains on the global batch with clip_grad_norm_ to HOOK_CLIP (before, ZeroShardStrategy
+    called none of them: the model trained unclipped). Manual optimization is refused by name."""
+    import lightning.pytorch as pl
+
+    from zeroshard.integrations.lightning import ZeroShardStrategy
+    x, y = hooked_data()
+    sampler = torch.utils.data.DistributedSampler(torch.utils.data.TensorDataset(x, y), num_replicas=world,
+                                                  rank=rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, sampler=sampler)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroShardStrategy(stage=stage), max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    module = hooked_class()(manual)
+    try:
+        trainer.fit(module, loader)
+    except Exception as e:  # noqa: BLE001 -- the refusal is the result
+        return {"error": f"{type(e).__name__}: {e}"}
+    ref = hooked_class()()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    order = [i for b in range(len(x) // (4 * world)) for r in range(world) for i in range(r, len(x), world)[4 * b:4 * b + 4]]
+    for k in range(len(order) // (4 * world)):  # each step: every rank's 4 samples
+        idx = order[k * 4 * world:(k + 1) * 4 * world]
+        ((ref.net(x[idx]) - y[idx]) ** 2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), HOOK_CLIP)
+        opt.step()
+        opt.zero_grad()
+    got = trainer.strategy.engine.full_state_dict()
+    return {"calls": module.calls, "steps": trainer.global_step, "vs_torch": max_diff(got, ref.state_dict())}
+
+
 def run(rank: int, world: int, out_path: str) -> None:
     """World 2: Lightning and the plain loop at stages 0-3 (and stage 3 with the optimizer
     offloaded), validate and predict, save_pretrained from the strategy's engine; world 1: the
@@ -193,6 +275,9 @@ def run(rank: int, world: int, out_path: str) -> None:
                     res["pretrained_keys"] = sorted(loaded) == sorted(full)
                     res["pretrained_max_diff"] = max_diff(loaded, full)
             results[name] = res
+        for stage in (0, 3):
+            results[f"hooked_stage{stage}"] = hooked_fit(rank, world, stage)
+        results["manual_optimization"] = hooked_fit(rank, world, 2, manual=True)
         # Validation inside fit, before the first step and after every step, through a 1-chunk rCache
         trainer, _ = fit(rank, world, 3, os.path.join(root, "stage3_validating"), validate_every=1,
                          cache_chunks=1, chunk_size=20000)

@@ -15,7 +15,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 from distributed import world2_then_world1  # noqa: E402
-from lightning_scenarios import STEPS, max_diff, run  # noqa: E402
+from lightning_scenarios import HOOKS, STEPS, max_diff, run  # noqa: E402
 from models import ADAMW_TOL  # noqa: E402
 
 RUNS = ("stage0", "stage1", "stage2", "stage3", "stage3_offload")
@@ -157,3 +157,19 @@ def test_a_config_that_contradicts_the_lightning_trainer_is_refused():
     strategy = ZeroShardStrategy(stage=2)
     strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
     assert strategy._engine_config(trainer(gradient_clip_val=2.0)).precision == "bf16"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_modules_backward_and_optimizer_step_hooks_run(runs, stage):
+    """ZeroShardStrategy called none of on_before_backward, an overridden backward,
+    on_after_backward, on_before_optimizer_step, configure_gradient_clipping: a module clipping in
+    its own configure_gradient_clipping trained unclipped, silently."""
+    got = runs[f"hooked_stage{stage}"]
+    assert "error" not in got, got
+    assert got["steps"] == 5 and got["calls"] == dict.fromkeys(HOOKS, 5), got
+    assert got["vs_torch"] <= 1e-5, got  # fp32 SGD
+
+
+def test_manual_optimization_is_refused_by_name(runs):
+    got = runs["manual_optimization"]
+    assert got.get("error", "").startswith("ConfigError") and "manual optimization" in got["error"], got

@@ -15,7 +15,8 @@ What comes from Lightning, as it does without zeroshard:
   keeps the window's gradients unreduced until its last micro-batch at stages 0-1 (Lightning's
   block_backward_sync is Engine.no_sync: one reduction per window) and reduce-scatters each at
   stages 2-3 (its own accumulation count stays 1);
-- `gradient_clip_val` (by norm) becomes config `clip_grad_norm`, applied over every shard inside the
+- `gradient_clip_val` (by norm) becomes config `clip_grad_norm` (unless the module overrides
+  configure_gradient_clipping, which is then called with it), applied over every shard inside the
   step; clipping by value raises ValueError (it needs whole gradients);
 - `precision`: "bf16-mixed" / "bf16-true" / "16-mixed" / "16-true" become config precision
   bf16 / bf16 / fp16 / fp16 (zeroshard's mixed precision: fp32 masters, 16-bit compute copies,
@@ -47,6 +48,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer import call
 
 import zeroshard
 from ..config import Config, load_config
@@ -55,6 +57,16 @@ from ..errors import ConfigError, EngineCallError
 
 PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
              "16-true": "fp16"}
+
+
+def _overrides(module, name: str) -> bool:
+    return getattr(type(module), name) is not getattr(pl.LightningModule, name)
+
+
+def _hooks(module, name: str, *args) -> None:
+    """Lightning's hook `name` on the callbacks, then on the module, as Lightning's own strategies call it."""
+    call._call_callback_hooks(module.trainer, name, *args)
+    call._call_lightning_module_hook(module.trainer, name, *args)
 
 
 def _plain(obj, where: str):
@@ -102,7 +114,10 @@ class ZeroShardStrategy(DDPStrategy):
         decided = {"gradient_accumulation_steps": 1}
         if precision != "fp32":  # Lightning's default "32-true" leaves the config's precision standing
             decided["precision"] = precision
-        if trainer.gradient_clip_val:  # otherwise the config's clip_grad_norm stands
+        # otherwise the config's clip_grad_norm stands; an overridden configure_gradient_clipping
+        # gets gradient_clip_val and clips as it decides (optimizer_step)
+        module = getattr(trainer, "lightning_module", None)
+        if trainer.gradient_clip_val and not (module is not None and _overrides(module, "configure_gradient_clipping")):
             decided["clip_grad_norm"] = float(trainer.gradient_clip_val)
         return reconcile(self.zeroshard_config, decided, {"precision": "precision", "clip_grad_norm": "gradient_clip_val",
                                                        "gradient_accumulation_steps": "accumulate_grad_batches"},
@@ -114,6 +129,10 @@ class ZeroShardStrategy(DDPStrategy):
             raise EngineCallError("zeroshard: ZeroShardStrategy.setup before the Trainer connected an accelerator and "
                                "a model: pass the strategy to a lightning Trainer")
         self.accelerator.setup(trainer)
+        if not self.lightning_module.automatic_optimization:
+            raise ConfigError("zeroshard: ZeroShardStrategy trains with Lightning's automatic optimization; manual "
+                              "optimization (automatic_optimization = False: manual_backward, opt.step() inside "
+                              "training_step, which runs inside the engine's forward) is not supported")
         if self.engine is None:  # the first fit/validate/test/predict makes it; later ones reuse it
             cfg = self._engine_config(trainer)
             self.setup_optimizers(trainer)  # configure_optimizers: the engine adopts the optimizer
@@ -175,11 +194,30 @@ class ZeroShardStrategy(DDPStrategy):
             yield
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args, **kwargs) -> torch.Tensor:
-        self.engine.backward(closure_loss)
+        """Lightning's backward chain: on_before_backward, the module's backward (an override is
+        called; Lightning's own is the engine's, whose fp16 loss scaling loss.backward() lacks),
+        on_after_backward. The gradients live in the engine's chunks: p.grad is None in the hooks."""
+        module = self.lightning_module
+        _hooks(module, "on_before_backward", closure_loss)
+        if _overrides(module, "backward"):
+            module.backward(closure_loss, *args, **kwargs)
+        else:
+            self.engine.backward(closure_loss)
+        _hooks(module, "on_after_backward")
         return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
-        result = closure()  # training_step and backward (Lightning's automatic optimization)
+        """closure() (training_step and backward), on_before_optimizer_step, an overridden
+        configure_gradient_clipping (its clip_gradients is torch's clip_grad_norm_, answered over
+        every shard; without an override gradient_clip_val is config clip_grad_norm), the step."""
+        result = closure()
+        module = self.lightning_module
+        _hooks(module, "on_before_optimizer_step", optimizer)
+        if _overrides(module, "configure_gradient_clipping"):
+            trainer = module.trainer
+            call._call_lightning_module_hook(trainer, "configure_gradient_clipping", optimizer,
+                                             gradient_clip_val=trainer.gradient_clip_val,
+                                             gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         self.engine.step()
         self._log_stats()
         return result
