@@ -55,6 +55,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def is_split(p: torch.Tensor) -> bool:
+    """A parameter sharded over the TP group (a DTensor with a Shard placement), as opposed to a
+    replicated one, which every TP rank holds whole."""
+    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
+
+
 def local_shape(p: torch.Tensor) -> torch.Size:
     """The shape of what this rank stores of `p` (what its chunk slot holds)."""
     return local(p).shape

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
+from ..distributed.tensor_parallel import is_split
 from ..numerics import all_finite, squares_sum
 
 
@@ -96,12 +96,6 @@ class TensorParallelNorm:
         tail = answers[-2:].clone()
         self.comm.control_all_reduce(tail)
         answers[-2:] = tail
-
-
-def is_split(p: torch.Tensor) -> bool:
-    """A parameter sharded over the TP group (a DTensor with a Shard placement), as opposed to one
-    every TP rank holds whole."""
-    return isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)
 
 
 def start_agreeing(comm, chunks, grads, inv: float, *, measure_norm: bool, norm_here: bool,

@@ -60,14 +60,14 @@ from .chunks import Chunk, ChunkState
 from ..errors import invariant
 
 log = logging.getLogger("zeroshard")
+READ_AHEAD = 3  # shards read ahead past the chunk prefetched (the parameter tier has 4 frames)
+UNLIMITED_AHEAD = 4  # chunks gathering beyond the next one, with no cache_chunks (Note: prefetch depth)
 
 
 def in_step() -> bool:
     """Whether a chunk use now belongs to a training step's sequence (Note: forwards without
     autograd): under autograd, or inside a backward."""
     return torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1
-READ_AHEAD = 3  # shards read ahead past the chunk prefetched (the parameter tier has 4 frames)
-UNLIMITED_AHEAD = 4  # chunks gathering beyond the next one, with no cache_chunks (Note: prefetch depth)
 
 
 class ChunkCache:

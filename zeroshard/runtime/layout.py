@@ -178,13 +178,13 @@ class ChunkLayout:
         as rank 0 recorded it. Ranks whose first forward differed (data-dependent control flow)
         would otherwise pack different chunks and pair collectives of different parameters (stage
         0: silently wrong sums; stages 1-2: a hang in the re-pack's all-gather)."""
-        held = {id(p) for p in params}  # not a tensor torch.func.functional_call put in an entry for its call
-        recorded = [p for p in self.recorder.order if id(p) in held]
+        index = {id(p): i for i, p in enumerate(params)}
+        # not a tensor torch.func.functional_call put in an entry for its call
+        recorded = [p for p in self.recorder.order if id(p) in index]
         seen = {id(p) for p in recorded}
         order = recorded + [p for p in params if id(p) not in seen]
         if self.comm.world == 1:
             return order
-        index = {id(p): i for i, p in enumerate(params)}
         orders = self.comm.all_gather_objects([index[id(p)] for p in order])
         if any(o != orders[0] for o in orders) and self.comm.rank == 0:
             log.warning("ranks used the parameters in different orders in their first forward; "

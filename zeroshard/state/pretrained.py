@@ -217,16 +217,16 @@ def adapter_marks(module: nn.Module) -> tuple[str, ...]:
     return tuple(f".{name}." for name in configs)
 
 
-def adapter_keys(module: nn.Module) -> list[str]:
+def adapter_keys(module: nn.Module, held: dict) -> list[str]:
     """Every rank: the state-dict keys whose values peft's save_pretrained writes, found by running
     its selection (get_peft_model_state_dict, every adapter) over meta tensors of the values'
     shapes and keeping the keys whose meta tensors it returned. peft decides by method what it saves: besides
     names holding ".<adapter>.", a ParameterDict's entries (LoRA's embedding adapters, IA3's
     scales: "...lora_embedding_A.default"), modules_to_save, trainable tokens, and whole
     embedding layers where an embedding is targeted; a filter on names had left some out, and peft
-    then wrote the adapter without them, silently, or raised a KeyError."""
+    then wrote the adapter without them, silently, or raised a KeyError. `held`: the module's
+    state_dict(keep_vars=True), the tensors themselves (no value is read)."""
     from peft.utils import get_peft_model_state_dict
-    held = module.state_dict(keep_vars=True)  # the tensors themselves: no value is read
     shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in held.items()
               if isinstance(v, torch.Tensor)}
     key_of = {id(v): k for k, v in shapes.items()}
@@ -243,10 +243,10 @@ def save_adapter(view: TrainingState, path: str, dtype: torch.dtype | None) -> s
     gathered (`adapter_keys`), not the frozen base; every rank then runs peft's save_pretrained
     on those whole values, rank 0 writing (peft's is_main_process), since peft lists a
     modules_to_save module's keys from its state_dict(), at stage 3 a gather every rank makes."""
-    keys = adapter_keys(view.module)
+    held = view.module.state_dict(keep_vars=True)
+    keys = adapter_keys(view.module, held)
     if view.tp is not None:
         keys = view.tp.comm.broadcast_object(keys)
-    held = view.module.state_dict(keep_vars=True)
     slots = [s for c in view.chunks for s in c.slots]
     position, slot_of = {s.name: i for i, s in enumerate(slots)}, {id(s.param): s.name for s in slots}
     # stage 3's placeholders stand for the slots' parameters; the keys of no slot are buffers
