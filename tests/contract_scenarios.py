@@ -17,7 +17,7 @@ import zeroshard
 import contract_module_scenarios
 import contract_optimizer_scenarios
 from contract_common import loss_of, per_optimizer_and_stage
-from distributed import error_on_every_rank, every_rank
+from distributed import error_on_every_rank, every_rank, shared_temp_dir
 from models import batches, make_sgd, max_diff, tiny_gpt2
 from scenarios import run_all
 
@@ -152,31 +152,50 @@ def untrainable(rank, world, stage):
     return out
 
 
-def _mlp():
+class _ClampedLinear(torch.nn.Linear):
+    """A weight constraint applied in the forward, in place (as Keras' kernel constraints are ported)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.3, 0.3)
+        return super().forward(x)
+
+
+def _mlp(clamped=False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return torch.nn.Sequential((_ClampedLinear if clamped else torch.nn.Linear)(8, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
 
 
 def _write_between_steps(model, k):
     """What users write into parameters between steps: a row set by hand after the first step,
-    every parameter clipped (as WGAN clips its critic) after the second."""
+    every parameter clipped (as WGAN clips its critic) after the second, every parameter scaled
+    at once and a bias set by nn.init after the third (read at once by full_state_dict)."""
     with torch.no_grad():
         if k == 0:
             model[0].weight[0].fill_(0.5)
         if k == 1:
             for p in model.parameters():
                 p.clamp_(-0.05, 0.05)
+        if k == 2:
+            torch._foreach_mul_(list(model.parameters()), 0.5)
+            torch.nn.init.constant_(model[2].bias, 0.25)
 
 
 def written_between_steps(rank, world, cfg):
-    """Writes into parameters between steps survive the next step as in plain PyTorch, also where
-    the parameters are a copy of the fp32 masters (16-bit training, an offloaded optimizer:
-    optim/user_writes.py)."""
+    """Writes into parameters between steps and in a forward last as in plain PyTorch, at every
+    stage: where the parameters are a copy of the fp32 masters (16-bit training, an offloaded
+    optimizer: optim/user_writes.py) and at stage 3, where they are a gathered copy of the shard
+    (runtime/param_writes.py). With the delayed update, a write while it is in flight raises
+    EngineCallError on every rank; one inside full_parameters() (which lands it first) lasts."""
     g = torch.Generator().manual_seed(3)
     data = [torch.randn(2 * world, 8, generator=g) for _ in range(3)]
-    ref = _mlp()
+    delayed = cfg.get("delay_update_after") is not None
+    ref = _mlp(clamped=not delayed)  # a write in each forward would land in the update's flight
     ref_opt = make_sgd(ref.parameters())
-    model = _mlp()
+    model = _mlp(clamped=not delayed)
+    if "offload_dir" in cfg:
+        cfg = {**cfg, "offload_dir": shared_temp_dir()}
     engine = zeroshard.initialize(model, make_sgd, cfg)
     for k, x in enumerate(data):
         ref(x).pow(2).mean().backward()
@@ -185,16 +204,34 @@ def written_between_steps(rank, world, cfg):
         engine.backward(engine(x.chunk(world)[rank]).float().pow(2).mean())
         engine.step()
         _write_between_steps(ref, k)
-        _write_between_steps(model, k)
+        if delayed:  # the update in flight lands over a write, unless it lands first
+            if k == 0:
+                raised = error_on_every_rank(lambda: (_write_between_steps(model, k), engine.full_state_dict()))
+            with engine.full_parameters():
+                _write_between_steps(model, k)
+        else:
+            _write_between_steps(model, k)
     got = engine.full_state_dict()
-    return {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items())}
+    out = {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items())}
+    return {**out, "raised": raised} if delayed else out
 
 
 for _name, _cfg in {"fp32_stage0": {"stage": 0}, "bf16_stage0": {"stage": 0, "precision": "bf16"},
-                    "bf16_stage2": {"stage": 2, "precision": "bf16"},
+                    "fp32_stage1": {"stage": 1}, "bf16_stage2": {"stage": 2, "precision": "bf16"},
                     "fp32_stage1_offload": {"stage": 1, "offload_optimizer": True},
-                    "bf16_stage2_offload": {"stage": 2, "precision": "bf16", "offload_optimizer": True}}.items():
-    SCENARIOS[f"written_between_steps_{_name}"] = lambda rank, world, cfg=_cfg: written_between_steps(rank, world, cfg)
+                    "bf16_stage2_offload": {"stage": 2, "precision": "bf16", "offload_optimizer": True},
+                    "fp32_stage2_disk": {"stage": 2, "offload_optimizer": "disk", "offload_dir": ""},
+                    "fp32_stage2_delayed": {"stage": 2, "offload_optimizer": True, "delay_update_after": 0},
+                    "fp32_stage3": {"stage": 3, "cache_chunks": 1},
+                    "bf16_stage3": {"stage": 3, "precision": "bf16"},
+                    "bf16_stage3_offload_params": {"stage": 3, "precision": "bf16", "offload_optimizer": True,
+                                                   "offload_params": True},
+                    "bf16_stage3_disk": {"stage": 3, "precision": "bf16", "offload_optimizer": "disk",
+                                         "offload_params": "disk", "offload_dir": ""},
+                    "fp32_stage3_delayed": {"stage": 3, "offload_optimizer": True, "delay_update_after": 0}}.items():
+    SCENARIOS[f"written_between_steps_{_name}"] = lambda rank, world, cfg=_cfg: written_between_steps(
+        rank, world, {"chunk_size": 100, **cfg})
+
 
 def _mse(model, x, y):
     return torch.nn.functional.mse_loss(model(x), y)

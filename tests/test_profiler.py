@@ -13,7 +13,7 @@ import torch
 
 import zeroshard
 from models import Quirky, tiny_gpt2
-from zeroshard.runtime.hooks import FirstUseRecorder
+from zeroshard.runtime.first_use import FirstUseRecorder
 from zeroshard.planning.profiler import measure
 
 

@@ -241,6 +241,7 @@ class EngineCalls:
     grad_arrived: Callable  # a parameter's gradient was accumulated: (param) from its .grad, or (param, grad)
     owned: Callable  # of a list of tensors, the ids of those the engine trains (runtime/grad_readers.py)
     clip_grad_norm: Callable  # torch.nn.utils.clip_grad_norm_ given what the engine trains
+    params_written: Callable  # stage 3: (params) written in place, their chunks gathered
 
 
 @dataclass(frozen=True)
@@ -264,7 +265,8 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
             log.info("stage 3 gathers these modules whole (leaf_modules): %s",
                      ", ".join(sorted({type(m).__name__ for m in world.leaves})))
         hooks = Stage3Hooks(module, parts.cache, layout.chunks_of, model.names, model.shapes, config.dtype,
-                            on_borrow=layout.forget, leaves=world.leaves, on_leaf_backward=on.leaf_backward_done)
+                            on_borrow=layout.forget, leaves=world.leaves, on_leaf_backward=on.leaf_backward_done,
+                            on_write=on.params_written)
         layout.read_params_with(lambda m: hooks.params_of(m) if hooks.is_unit(m) else direct_params(m))
         parts.reducer.count_at_leaf_end(hooks.params_counted_at_leaf_end())
         # placeholder.py's Note: gradients past the placeholder

@@ -70,9 +70,9 @@ class Engine(EngineIO):
         del start  # the weights' reader and any values it held: free before the hooks go on
         # The hooks live on the module and in autograd: they call the engine through weak methods,
         # so a dropped engine does not live on in them.
-        on = EngineCalls(weak_method(self.zero_grad), weak_method(self._leaf_backward_done),
-                         weak_method(self._before_load), weak_method(self._grad_arrived),
-                         weak_method(self._owned), weak_method(self._clip_grad_norm))
+        on = EngineCalls(*map(weak_method, (self.zero_grad, self._leaf_backward_done, self._before_load,
+                                            self._grad_arrived, self._owned, self._clip_grad_norm,
+                                            self._params_written)))
         installed = install_hooks(module, config, world, model, parts, on)
         self.hooks, self.loading, self._arrivals, self.saved, self._grad_readers = \
             installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers

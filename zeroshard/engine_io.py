@@ -10,6 +10,8 @@ import enum
 
 import torch
 
+from .distributed.tensor_parallel import local
+from .optim.delayed_update import UpdateState, write_lost
 from .runtime.module_state import full_parameters
 from .state.view import TrainingState
 from .telemetry.stats import model_state_bytes
@@ -52,6 +54,8 @@ class EngineIO:
     def apply_delayed_update(self) -> None:
         """With `delay_update_after`: apply the update in flight now (checkpoints and state dicts do
         this first; call it before evaluating or exporting the model by other means)."""
+        if self.hooks is not None:  # before it lands: a write lent since is raised, not written over it
+            self.hooks.settle_lent()
         self.optim.land()
         self._settle()
 
@@ -72,8 +76,21 @@ class EngineIO:
         self._quiesce()
         return True
 
+    def _params_written(self, params) -> None:
+        """Stage 3: `params` were written in place and their chunks are still gathered (runtime/
+        param_writes.py): their values go into this rank's shards and masters. Not while a delayed
+        update is in flight, which will land over them."""
+        if self.optim.update is UpdateState.IN_FLIGHT:
+            raise write_lost([self.names[id(p)] for p in params])
+        for p in params:
+            c, s = self.layout.slot_of[id(p)]
+            c.keep_written(s, local(p))
+
     def _settle(self) -> None:
-        """Wait for every chunk still arriving (ArrivalHooks)."""
+        """Wait for every chunk still arriving (ArrivalHooks); at stage 3, keep what was written
+        through a view of a parameter (Stage3Hooks.settle_lent)."""
+        if self.hooks is not None:
+            self.hooks.settle_lent()
         if self._arrivals is not None:
             self._arrivals.settle()
         self.optim.await_arrivals()

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from ..errors import DivergedError, PeerLostError, invariant
+from ..errors import DivergedError, EngineCallError, PeerLostError, invariant
 from ..runtime.offload import fold_host_grad
 from .grad_agreement import sum_across
 
@@ -20,6 +20,15 @@ class UpdateState(enum.Enum):
 
     IDLE = "idle"
     IN_FLIGHT = "in flight"
+
+
+def write_lost(names: list[str]) -> EngineCallError:
+    """The error for parameters (`names`) written in place while a delayed update was in flight."""
+    more = f" and {len(names) - 1} more parameters" if len(names) > 1 else ""
+    return EngineCallError(
+        f"zeroshard: {names[0]}{more} written in place while the delayed update (delay_update_after) was in "
+        "flight: the update lands over the write, which is not kept. Write between engine.step() and the next "
+        "forward inside `with engine.full_parameters():` (it lands the update first), or turn delay_update_after off")
 
 
 class DelayedUpdate:
@@ -87,8 +96,11 @@ class DelayedUpdate:
     def land(self) -> bool | None:
         """IN_FLIGHT -> IDLE: wait for the delayed update and publish it (upload each chunk's new
         16-bit shard; at stages 1-2, all-gather it). Returns whether it was applied (False: fp16
-        overflow skipped it), or None when no update was in flight."""
+        overflow skipped it), or None when no update was in flight: then the masters take the user's
+        writes into the parameters since they last did (optim/user_writes.py). A write made while
+        the update was in flight is lost under the update: EngineCallError, once that landed."""
         if self.update is UpdateState.IDLE:
+            self._writes.carry()
             return None
         self._thread.join()
         self._thread, outcome, self._outcome = None, self._outcome, None
@@ -108,4 +120,8 @@ class DelayedUpdate:
             slot = self._delay_staging[id(c)]
             slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
         self._gather_updated(compare=True)  # a rank whose background step failed raised above
+        lost = self._writes.written()
+        if lost:
+            self._writes.forget()
+            raise write_lost(lost)
         return True

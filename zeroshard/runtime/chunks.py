@@ -151,23 +151,35 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
         return self.shard_range if self.stage == 3 else (0, self.padded_numel)
 
     @torch.no_grad()
-    def write_elements(self, lo: int, hi: int, values: torch.Tensor) -> None:
+    def write_elements(self, lo: int, hi: int, values: torch.Tensor, written: bool = False) -> None:
         """Write chunk elements [lo, hi) (`values`, any floating dtype, read as fp32) into every copy
-        of them this rank keeps: the full chunk or the shard in the compute dtype, and the fp32 master."""
-        def put(dst: torch.Tensor, dst_lo: int) -> None:
+        of them this rank keeps: the full chunk or the shard in the compute dtype, and the fp32 master.
+        `written`: `values` are the compute copy after a user's in-place write into it (keep_written),
+        so the full chunk at stages 0-2 holds them already, and the master takes only the elements
+        that no longer equal its rounding."""
+        def put(dst: torch.Tensor, dst_lo: int, merge: bool = False) -> None:
             a, b = max(lo, dst_lo), min(hi, dst_lo + dst.numel())
             if a < b:
-                dst[a - dst_lo:b - dst_lo].copy_(values[a - lo:b - lo])
+                dst, src = dst[a - dst_lo:b - dst_lo], values[a - lo:b - lo]
+                dst.copy_(torch.where(src != dst.to(src.dtype), src.to(dst.dtype), dst) if merge else src)
 
         if self.full is not None and self.stage < 3:
-            put(self.full, 0)
+            if not written:
+                put(self.full, 0)
         else:
             with self.shard_values(write=True):
                 put(self.shard, self.shard_range[0])
             self.forget_secondary()
         if self.master is not None and not self.master_is_shard:
             with self.master_values(write=True):
-                put(self.master, self.owned_range[0])
+                put(self.master, self.owned_range[0], merge=written)
+
+    def keep_written(self, slot: Slot, value: torch.Tensor) -> None:
+        """Keep a user's in-place write into parameter `slot` (`value`: the parameter's compute copy
+        now, whole) in the copies this rank keeps. Of a 16-bit copy, only the elements that no longer
+        equal their master's rounding reach the fp32 master: a write into one row leaves the fp32
+        values of the others as they were (optim/user_writes.py)."""
+        self.write_elements(slot.offset, slot.offset + slot.numel, value.detach().reshape(-1), written=True)
 
     def write(self, slot: Slot, lo: int, hi: int, values: torch.Tensor) -> None:
         """Write elements [lo, hi) of one parameter (flattened) into the copies this rank keeps."""

@@ -23,7 +23,8 @@ unit (gathered, held for backward and released with that module's own parameters
 read outside every forward (CLIP's logit_scale in the user's contrastive loss; a method other than
 forward reading its module's own) is read as if its unit were called around that one operation:
 gathered, released after it and gathered again for the backward of what it computed (Stage3Hooks.used).
-A write to it there is refused (the gathered copy is not the master: it would be lost).
+A write into a parameter, there or in a forward, is kept in the shard (param_writes.py's Note:
+writes into parameters).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .cache import in_step
 from .chunks import ChunkState
+from .param_writes import WrittenParameters
+from .unit_boundaries import AfterUnitBackward, unit_outputs
 from .placeholder import ShardedPlaceholder
 from ..errors import ShardedParameterError
 from ..units import BackwardHolds, direct_params, unit_members
@@ -61,70 +64,11 @@ def weak_method(method):
     return call
 
 
-class FirstUseRecorder:
-    """Records parameters in order of first use during one forward pass. A leaf unit (units.py)
-    uses its whole subtree at once, in module order, whichever of its submodules run: so its
-    experts pack together, and alike on every rank."""
-
-    def __init__(self, model: nn.Module, leaves=()):
-        self.order: list[nn.Parameter] = []
-        self._seen: set[int] = set()
-        units = unit_members(model, list(leaves))
-        self._handles = [m.register_forward_pre_hook(lambda m, args, members=members: self._use(members))
-                         for m, members in units.items() if members]
-
-    def _use(self, members):
-        for module in members:
-            for _, p in direct_params(module):
-                if id(p) not in self._seen and not isinstance(p, ShardedPlaceholder):
-                    self._seen.add(id(p))
-                    self.order.append(p)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-class _AfterUnitBackward(torch.autograd.Function):
-    """Identity on a leaf unit's inputs: its backward runs once the gradient has gone back through
-    the whole unit (autograd runs a unit's nodes, and the accumulation of its parameters'
-    gradients, before the node that made its inputs), on every rank at the same point whatever
-    experts ran, which is when the unit's hold ends (FSDP2 ends a module's backward the same way)."""
-
-    @staticmethod
-    def forward(ctx, done, *tensors):
-        ctx.done = done
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.done()
-        return (None, *grads)
-
-
-def _outputs(out, real: dict[int, nn.Parameter]):
-    """The tensors a unit's forward returned, found through pytree containers and, one level down,
-    the attributes of plain objects; and `out` with every parameter of `real` (id -> parameter) in
-    it replaced by a view of it (an object's attribute is replaced in place: it cannot be rebuilt),
-    or None when it returned none."""
-    flat, spec = tree_flatten(out)
-    tensors, found = [], False
-    for i, t in enumerate(flat):
-        if isinstance(t, torch.Tensor):
-            if id(t) in real:
-                flat[i] = t = t.view_as(t)
-                found = True
-            tensors.append(t)
-        elif hasattr(t, "__dict__") and not isinstance(t, (type, nn.Module)):
-            for k, v in list(vars(t).items()):
-                if isinstance(v, torch.Tensor):
-                    if id(v) in real:
-                        v = v.view_as(v)
-                        setattr(t, k, v)
-                        found = True
-                    tensors.append(v)
-    return tensors, (tree_unflatten(flat, spec) if found else None)
+def _storage(t) -> int | None:
+    """Where a plain tensor's (or a parameter's) storage is; None for anything else."""
+    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
+        return None
+    return t.untyped_storage().data_ptr()
 
 
 class Stage3Hooks:
@@ -132,11 +76,12 @@ class Stage3Hooks:
     gives the chunks holding a unit's parameters, `params_of(unit)` (it changes if the engine
     re-packs chunks); `on_borrow(unit)` is told when a unit's parameters grew by a borrowed one;
     `on_leaf_backward(params)` when the gradient has gone back through a leaf unit with these
-    parameters (those that got none will get none in this pass)."""
+    parameters (those that got none will get none in this pass); `on_write(params)` is given
+    parameters written in place, while their chunks are gathered (param_writes.py)."""
 
     def __init__(self, model: nn.Module, cache, chunks_of, names: dict[int, str],
                  shapes: dict[int, torch.Size], dtype: torch.dtype, on_borrow=lambda module: None,
-                 leaves=(), on_leaf_backward=lambda params: None):
+                 leaves=(), on_leaf_backward=lambda params: None, on_write=lambda params: None):
         self.cache = cache
         self.chunks_of = chunks_of
         self.units = unit_members(model, list(leaves))  # unit -> modules whose own parameters it gathers
@@ -154,6 +99,7 @@ class Stage3Hooks:
         self.on_leaf_backward = on_leaf_backward
         borrow, used = weak_method(self.borrow), weak_method(self.used)
         self._outside: list[nn.Module] = []  # units called around the one operation now reading their parameters
+        self._lent: list[tuple[nn.Module, object]] = []  # (unit, chunk) kept gathered for a view (settle_lent)
         # One placeholder per parameter, in every entry that holds it (tied weights): the module's
         # parameters() then lists it once, as torch lists a tied parameter once.
         stand_in: dict[int, ShardedPlaceholder] = {}
@@ -175,8 +121,9 @@ class Stage3Hooks:
                         self.real[unit].append((n, p))
                         self.owners.setdefault(id(p), []).append(unit)
             self._swap(unit, real=False)
+        self.writes = WrittenParameters({id(p): p for ps in self.real.values() for _, p in ps}.values(), on_write)
         # unit -> ids of params whose grads are pending; None: a leaf, whose hold ends when the
-        # gradient reaches its inputs (_AfterUnitBackward)
+        # gradient reaches its inputs (AfterUnitBackward)
         self.held = BackwardHolds(self.owners)
         # Unit calls whose forward started but has not ended. Non-reentrant checkpointing stops a
         # recomputation early by raising inside the forward, so some never end: they are closed
@@ -210,13 +157,16 @@ class Stage3Hooks:
         """A module's own parameters (the real ones, whatever its entries hold now)."""
         return self.direct[module]
 
-    def borrow(self, placeholder: ShardedPlaceholder, writes: bool) -> nn.Parameter | None:
+    def borrow(self, placeholder: ShardedPlaceholder, through_data: bool) -> nn.Parameter | None:
         """The real parameter behind `placeholder`, gathered (None: refused). In a unit's forward it
         joins the innermost running unit from now on; outside every forward its own unit is called
-        around the operation (`used` ends it), unless the operation `writes` into it."""
+        around the operation (`used` ends it), unless the operation reads its `.data` (a write
+        through it would go unseen: param_writes.py)."""
+        if self._lent:
+            self.settle_lent()
         owner, name, p = self._entry[id(placeholder)]
         if not self.active or self.active[-len(self._outside):] == self._outside:
-            if writes or torch.compiler.is_compiling():
+            if through_data or torch.compiler.is_compiling():
                 return None
             unit = self.unit_of[owner]
             if unit not in self.active:
@@ -241,10 +191,38 @@ class Stage3Hooks:
         """After an operation that read parameters outside every forward (borrow; `out`: what it
         returned, None if it raised): their units end as a forward ends. Returns what the caller gets."""
         begun, self._outside = self._outside, []
-        for unit in reversed(begun):
-            replaced = self._post_forward(unit, (), out)
-            out = out if replaced is None else replaced
+        self._lend_if_viewed(out, begun)
+        try:
+            while begun:
+                replaced = self._post_forward(begun.pop(), (), out)
+                out = out if replaced is None else replaced
+        finally:  # a write that could not be kept raised (param_writes.py): the others end all the same
+            while begun:
+                self._end_forward(begun.pop())
         return out
+
+    def _lend_if_viewed(self, out, units) -> None:
+        """What an operation outside every forward returned views a parameter of `units` (`p[0]`,
+        `p.T`, `p.detach()`): a write through it (`p[0].fill_(v)`) comes after the operation, so
+        their chunks stay gathered until the next operation, forward, step or read of the shards
+        (settle_lent), which keeps what was written (param_writes.py)."""
+        chunks = [c for unit in units for c in self.chunks_of(unit)]
+        storages = {c.full.untyped_storage().data_ptr() for c in chunks if c.full is not None}
+        flat, _ = tree_flatten(out)
+        if any(_storage(t) in storages for t in flat):
+            for c in chunks:
+                self.cache.pin(c)
+            self._lent += [(unit, c) for unit in units for c in self.chunks_of(unit)]
+
+    def settle_lent(self) -> None:
+        """Keep what was written through views of parameters lent outside every forward, and release
+        their chunks (_lend_if_viewed)."""
+        lent, self._lent = self._lent, []
+        try:
+            self.writes.check(p for unit in dict.fromkeys(u for u, _ in lent) for _, p in self.params_of(unit))
+        finally:
+            for _, c in lent:
+                self.cache.release(c)
 
     def _swap_borrowed(self, unit: nn.Module, real: bool) -> None:
         for owner, name, p in self.borrowed.get(unit, ()):
@@ -254,9 +232,12 @@ class Stage3Hooks:
                 owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
 
     def show_real_parameters(self, real: bool) -> None:
-        """Put the real parameters in every module's entries (True), or the placeholders back."""
+        """Put the real parameters in every module's entries (True), or the placeholders back (the
+        caller kept whatever was written into them meanwhile)."""
         for unit in self.units:
             self._swap(unit, real)
+        if not real:
+            self.writes.rebase()
 
     def absorb_copies(self, module: nn.Module, on: bool) -> None:
         """While `module` loads a state dict whose values module_state.py already wrote into the
@@ -278,6 +259,8 @@ class Stage3Hooks:
                     m._parameters[n] = p if real else t
 
     def _pre_forward(self, unit, args):
+        if self._lent:
+            self.settle_lent()
         # the outermost forward's mode stands for what runs inside it (cache.py's Note: forwards without autograd)
         self._step = self._step if self.active else in_step()
         for c in self.chunks_of(unit):
@@ -304,7 +287,7 @@ class Stage3Hooks:
         if not at:  # nothing to mark where its backward ends: the hold lasts until backward's end
             return None
         done = weak_method(self._end_leaf_backward)
-        marked = _AfterUnitBackward.apply(lambda: done(unit), *(flat[i] for i in at))
+        marked = AfterUnitBackward.apply(lambda: done(unit), *(flat[i] for i in at))
         for i, t in zip(at, marked):
             flat[i] = t
         return tree_unflatten(flat, spec)
@@ -331,7 +314,7 @@ class Stage3Hooks:
         if type(out) is torch.Tensor and id(out) not in self._param_ids(unit):
             tensors, replaced = [out], None
         else:
-            tensors, replaced = _outputs(out, {id(p): p for _, p in self.params_of(unit)})
+            tensors, replaced = unit_outputs(out, {id(p): p for _, p in self.params_of(unit)})
         if self.in_backward and torch.is_grad_enabled() and self._begin_hold(unit):
             # An activation checkpoint's recomputation: its backward comes next. Held from here, the
             # chunks stay gathered until then: a frozen parameter autograd saved as itself (not as a
@@ -356,11 +339,14 @@ class Stage3Hooks:
 
     def _end_forward(self, unit) -> None:
         i = len(self.active) - 1 - self.active[::-1].index(unit)
-        del self.active[i]
-        if unit not in self.active and not self._shows_while_held(unit):
-            self._show(unit, False)
-        for c in self.chunks_of(unit):
-            self.cache.release(c)
+        try:
+            self.writes.check(p for _, p in self.params_of(unit))
+        finally:
+            del self.active[i]
+            if unit not in self.active and not self._shows_while_held(unit):
+                self._show(unit, False)
+            for c in self.chunks_of(unit):
+                self.cache.release(c)
 
     def close_open_forwards(self) -> None:
         self._calls.clear()

@@ -2,7 +2,7 @@
 
 The layout is the list of chunks in packing order, with each parameter's slot (docs/vocabulary.md).
 Chunks are first packed in module order; the first training forward records the order of
-first use (hooks.FirstUseRecorder), and the engine re-packs once if it differs, so that stage 3
+first use (first_use.FirstUseRecorder), and the engine re-packs once if it differs, so that stage 3
 gathers chunks in the order the model needs them. After that (or from the start, when a profile or a
 checkpoint gave the order) the layout is *final*: chunks never move again.
 """
@@ -17,7 +17,7 @@ import torch.nn as nn
 from .chunks import Chunk, ChunkState
 from .packing import Fill, Slot, pack_groups
 from ..distributed.collectives import Comm
-from .hooks import FirstUseRecorder
+from .first_use import FirstUseRecorder
 from ..units import direct_params
 from .offload import Placement, Transfer
 from ..errors import UnsupportedModelError

@@ -5,8 +5,8 @@ It has the parameter's shape, dtype and device: metadata reads work, and so do t
 moves a user's `model.to(...)` / `model.float()` make, freezing and unfreezing (passed on to the real
 parameter), and `load_state_dict` copies the hooks absorb. Any computation raises a
 ShardedParameterError naming the parameter instead of silently reading a freed buffer, unless the
-hooks lent it a borrow (a forward reading a submodule's parameter, or a read outside every forward
-that writes nothing into it: hooks.py's docstring).
+hooks lent it a borrow (a forward reading a submodule's parameter, or an operation outside every
+forward, reading or writing it, except through `.data`: hooks.py's docstring).
 """
 from __future__ import annotations
 
@@ -47,23 +47,6 @@ def real_parameter(t: torch.Tensor) -> torch.Tensor:
     """The parameter `t` stands for: the real one behind a placeholder the hooks put in its entry,
     else `t` itself (what a user's `model.parameters()` gives at stage 3 is a placeholder)."""
     return t._zs_param if isinstance(t, ShardedPlaceholder) and t._zs_param is not None else t
-
-
-_IN_PLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
-                                                 "or", "xor", "lshift", "rshift", "matmul")} | {"__setitem__"}
-
-
-def _written(func, args, kwargs):
-    """The tensor `func` writes into, if any: its `out=`, or the first argument of an in-place
-    method (`add_`, `copy_`) or operator (`+=`, `x[i] = v`), or of `.data` (read to be written, as in
-    `p.data.clamp_(-c, c)`, or replaced)."""
-    if "out" in kwargs:
-        return kwargs["out"]
-    if func == torch.Tensor.data.__get__ or func == torch.Tensor.data.__set__:
-        return args[0]
-    name = getattr(func, "__name__", "")
-    in_place = name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-    return args[0] if in_place and args else None
 
 
 class ShardedPlaceholder(torch.Tensor):
@@ -114,8 +97,8 @@ class ShardedPlaceholder(torch.Tensor):
         flat, _ = tree_flatten((args, kwargs or {}))
         held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
         borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
-        written = _written(func, args, kwargs or {})
-        real = {id(a): borrow(a, a is written) for a in held} if borrow is not None else {}
+        through_data = func == torch.Tensor.data.__get__
+        real = {id(a): borrow(a, through_data) for a in held} if borrow is not None else {}
         used = held[0]._zs_used if real else None  # ends what borrowing outside every forward began
         if real and all(r is not None for r in real.values()):  # read in a forward, or outside every one
             args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
@@ -137,7 +120,8 @@ class ShardedPlaceholder(torch.Tensor):
             "it is sharded. Use it inside that module's forward (or a module that registers it), or "
             "between steps inside `with engine.full_parameters():` (every parameter whole: an EMA copy, "
             "reading or editing weights), read engine.full_state_dict(), or use stage <= 2."
-            + (" Its .data is refused here (a write through it goes unseen): resize the model "
+            + (" Its .data is refused here (a write through it goes unseen): write into the parameter "
+               "itself under torch.no_grad() (p.clamp_(...), p.copy_(...)), and resize the model "
                "(resize_token_embeddings) or give it new data before initialize."
                if func == torch.Tensor.data.__get__ else ""))
 
