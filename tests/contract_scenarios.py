@@ -168,9 +168,12 @@ def _mlp(clamped=False):
 
 
 def _write_between_steps(model, k):
-    """What users write into parameters between steps: a row set by hand after the first step,
-    every parameter clipped (as WGAN clips its critic) after the second, every parameter scaled
-    at once and a bias set by nn.init after the third (read at once by full_state_dict)."""
+    """What users write into parameters between steps: a row set by hand and a bias by nn.init
+    (under grad mode, as torch allows) after the first step, every parameter clipped (as WGAN
+    clips its critic) after the second, every parameter scaled at once and a view of each, taken
+    together, shifted at once after the third (read at once by full_state_dict)."""
+    if k == 0:
+        torch.nn.init.constant_(model[2].bias, 0.25)
     with torch.no_grad():
         if k == 0:
             model[0].weight[0].fill_(0.5)
@@ -179,7 +182,7 @@ def _write_between_steps(model, k):
                 p.clamp_(-0.05, 0.05)
         if k == 2:
             torch._foreach_mul_(list(model.parameters()), 0.5)
-            torch.nn.init.constant_(model[2].bias, 0.25)
+            torch._foreach_add_([p[0] for p in model.parameters()], 0.1)
 
 
 def written_between_steps(rank, world, cfg):
@@ -197,12 +200,14 @@ def written_between_steps(rank, world, cfg):
     if "offload_dir" in cfg:
         cfg = {**cfg, "offload_dir": shared_temp_dir()}
     engine = zeroshard.initialize(model, make_sgd, cfg)
+    departures = 0
     for k, x in enumerate(data):
         ref(x).pow(2).mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
         engine.backward(engine(x.chunk(world)[rank]).float().pow(2).mean())
         engine.step()
+        departures += engine.stats().get("schedule_departures") or 0
         _write_between_steps(ref, k)
         if delayed:  # the update in flight lands over a write, unless it lands first
             if k == 0:
@@ -212,7 +217,8 @@ def written_between_steps(rank, world, cfg):
         else:
             _write_between_steps(model, k)
     got = engine.full_state_dict()
-    out = {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items())}
+    out = {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items()),
+           "departures": departures}
     return {**out, "raised": raised} if delayed else out
 
 

@@ -99,7 +99,7 @@ class Stage3Hooks:
         self.on_leaf_backward = on_leaf_backward
         borrow, used = weak_method(self.borrow), weak_method(self.used)
         self._outside: list[nn.Module] = []  # units called around the one operation now reading their parameters
-        self._lent: list[tuple[nn.Module, object]] = []  # (unit, chunk) kept gathered for a view (settle_lent)
+        self._lent: list[tuple] = []  # (units, chunks, weak views) kept gathered for a view (settle_lent)
         # One placeholder per parameter, in every entry that holds it (tied weights): the module's
         # parameters() then lists it once, as torch lists a tied parameter once.
         stand_in: dict[int, ShardedPlaceholder] = {}
@@ -157,20 +157,21 @@ class Stage3Hooks:
         """A module's own parameters (the real ones, whatever its entries hold now)."""
         return self.direct[module]
 
-    def borrow(self, placeholder: ShardedPlaceholder, through_data: bool) -> nn.Parameter | None:
+    def borrow(self, placeholder: ShardedPlaceholder, through_data: bool, in_place: bool) -> nn.Parameter | None:
         """The real parameter behind `placeholder`, gathered (None: refused). In a unit's forward it
         joins the innermost running unit from now on; outside every forward its own unit is called
         around the operation (`used` ends it), unless the operation reads its `.data` (a write
-        through it would go unseen: param_writes.py)."""
+        through it would go unseen: param_writes.py). `in_place`: the operation writes in place."""
         if self._lent:
-            self.settle_lent()
+            self.settle_lent(whose_views_died=True)
         owner, name, p = self._entry[id(placeholder)]
         if not self.active or self.active[-len(self._outside):] == self._outside:
             if through_data or torch.compiler.is_compiling():
                 return None
             unit = self.unit_of[owner]
             if unit not in self.active:
-                self._pre_forward(unit, ())
+                # an in-place op (nn.init under grad mode) is no use of the step's schedule
+                self._pre_forward(unit, (), step=in_step() and not in_place)
                 self._outside.append(unit)
             return p
         m = self.active[-1]
@@ -203,26 +204,32 @@ class Stage3Hooks:
 
     def _lend_if_viewed(self, out, units) -> None:
         """What an operation outside every forward returned views a parameter of `units` (`p[0]`,
-        `p.T`, `p.detach()`): a write through it (`p[0].fill_(v)`) comes after the operation, so
-        their chunks stay gathered until the next operation, forward, step or read of the shards
-        (settle_lent), which keeps what was written (param_writes.py)."""
+        `p.T`, `p.detach()`): a write through it (`p[0].fill_(v)`, `torch._foreach_mul_` of a list
+        of such views) comes after the operation, so their chunks stay gathered while a view lives,
+        and at most until the next forward, step or read of the shards (settle_lent), which keeps
+        what was written (param_writes.py)."""
         chunks = [c for unit in units for c in self.chunks_of(unit)]
         storages = {c.full.untyped_storage().data_ptr() for c in chunks if c.full is not None}
         flat, _ = tree_flatten(out)
-        if any(_storage(t) in storages for t in flat):
+        views = [weakref.ref(t) for t in flat if _storage(t) in storages]
+        if views:
             for c in chunks:
                 self.cache.pin(c)
-            self._lent += [(unit, c) for unit in units for c in self.chunks_of(unit)]
+            self._lent.append((list(units), chunks, views))
 
-    def settle_lent(self) -> None:
+    def settle_lent(self, whose_views_died: bool = False) -> None:
         """Keep what was written through views of parameters lent outside every forward, and release
-        their chunks (_lend_if_viewed)."""
-        lent, self._lent = self._lent, []
+        their chunks (_lend_if_viewed): all of them, or those whose views are gone (before the next
+        operation on a parameter: a view still held may yet be written through)."""
+        done = [e for e in self._lent if not whose_views_died or all(v() is None for v in e[2])]
+        self._lent = [e for e in self._lent if not any(e is d for d in done)]
         try:
-            self.writes.check(p for unit in dict.fromkeys(u for u, _ in lent) for _, p in self.params_of(unit))
+            units = dict.fromkeys(u for e in done for u in e[0])
+            self.writes.check(p for unit in units for _, p in self.params_of(unit))
         finally:
-            for _, c in lent:
-                self.cache.release(c)
+            for _, chunks, _ in done:
+                for c in chunks:
+                    self.cache.release(c)
 
     def _swap_borrowed(self, unit: nn.Module, real: bool) -> None:
         for owner, name, p in self.borrowed.get(unit, ()):
@@ -258,11 +265,12 @@ class Stage3Hooks:
                 if now is None or now is p or now is t:
                     m._parameters[n] = p if real else t
 
-    def _pre_forward(self, unit, args):
-        if self._lent:
+    def _pre_forward(self, unit, args, step: bool | None = None):
+        """`step`: given for an operation outside every forward (borrow), whether it is a use of the step."""
+        if step is None and self._lent:  # a forward: whatever views lent before it were written through
             self.settle_lent()
         # the outermost forward's mode stands for what runs inside it (cache.py's Note: forwards without autograd)
-        self._step = self._step if self.active else in_step()
+        self._step = self._step if self.active else in_step() if step is None else step
         for c in self.chunks_of(unit):
             self.cache.acquire(c, recorded=self._step)
         self._show(unit, True)

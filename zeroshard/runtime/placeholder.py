@@ -49,6 +49,17 @@ def real_parameter(t: torch.Tensor) -> torch.Tensor:
     return t._zs_param if isinstance(t, ShardedPlaceholder) and t._zs_param is not None else t
 
 
+_IN_PLACE_OPERATORS = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                                                 "or", "xor", "lshift", "rshift", "matmul")} | {"__setitem__"}
+
+
+def _in_place(func) -> bool:
+    """Whether `func` writes into its first argument: an in-place method (`add_`, `copy_`, nn.init's
+    `normal_`) or operator (`+=`, `x[i] = v`)."""
+    name = getattr(func, "__name__", "")
+    return name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+
+
 class ShardedPlaceholder(torch.Tensor):
     """Occupies a module's parameter entry while stage 3 holds that parameter sharded."""
 
@@ -97,8 +108,8 @@ class ShardedPlaceholder(torch.Tensor):
         flat, _ = tree_flatten((args, kwargs or {}))
         held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
         borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
-        through_data = func == torch.Tensor.data.__get__
-        real = {id(a): borrow(a, through_data) for a in held} if borrow is not None else {}
+        through_data, in_place = func == torch.Tensor.data.__get__, _in_place(func)
+        real = {id(a): borrow(a, through_data, in_place) for a in held} if borrow is not None else {}
         used = held[0]._zs_used if real else None  # ends what borrowing outside every forward began
         if real and all(r is not None for r in real.values()):  # read in a forward, or outside every one
             args, kwargs = tree_map_only(ShardedPlaceholder, lambda a: real[id(a)], (args, kwargs or {}))
