@@ -161,10 +161,15 @@ class _ClampedLinear(torch.nn.Linear):
         return super().forward(x)
 
 
-def _mlp(clamped=False):
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _written_mlp(clamped: bool):
     torch.manual_seed(0)
     return torch.nn.Sequential((_ClampedLinear if clamped else torch.nn.Linear)(8, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 4))
+                               torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
 def _write_between_steps(model, k):
@@ -194,13 +199,13 @@ def written_between_steps(rank, world, cfg):
     g = torch.Generator().manual_seed(3)
     data = [torch.randn(2 * world, 8, generator=g) for _ in range(3)]
     delayed = cfg.get("delay_update_after") is not None
-    ref = _mlp(clamped=not delayed)  # a write in each forward would land in the update's flight
+    ref = _written_mlp(clamped=not delayed)  # a write in each forward would land in the update's flight
     ref_opt = make_sgd(ref.parameters())
-    model = _mlp(clamped=not delayed)
+    model = _written_mlp(clamped=not delayed)
     if "offload_dir" in cfg:
         cfg = {**cfg, "offload_dir": shared_temp_dir()}
     engine = zeroshard.initialize(model, make_sgd, cfg)
-    departures = 0
+    departures, peak = 0, 0
     for k, x in enumerate(data):
         ref(x).pow(2).mean().backward()
         ref_opt.step()
@@ -208,6 +213,7 @@ def written_between_steps(rank, world, cfg):
         engine.backward(engine(x.chunk(world)[rank]).float().pow(2).mean())
         engine.step()
         departures += engine.stats().get("schedule_departures") or 0
+        peak = max(peak, engine.stats()["cache_peak_chunks"])
         _write_between_steps(ref, k)
         if delayed:  # the update in flight lands over a write, unless it lands first
             if k == 0:
@@ -218,7 +224,7 @@ def written_between_steps(rank, world, cfg):
             _write_between_steps(model, k)
     got = engine.full_state_dict()
     out = {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items()),
-           "departures": departures}
+           "departures": departures, "cache_peak": peak, "chunks": len(engine.chunks)}
     return {**out, "raised": raised} if delayed else out
 
 
@@ -237,6 +243,86 @@ for _name, _cfg in {"fp32_stage0": {"stage": 0}, "bf16_stage0": {"stage": 0, "pr
                     "fp32_stage3_delayed": {"stage": 3, "offload_optimizer": True, "delay_update_after": 0}}.items():
     SCENARIOS[f"written_between_steps_{_name}"] = lambda rank, world, cfg=_cfg: written_between_steps(
         rank, world, {"chunk_size": 100, **cfg})
+
+
+class _UsedBeforeRegistered(torch.nn.Module):
+    """Registers `b` before `a` and runs `a` first: the first forward re-packs the chunks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.b, self.a = torch.nn.Linear(8, 4), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def written_before_the_first_forward(rank, world, cfg):
+    """A write right after initialize (a weight set by hand) lasts through the first forward's
+    re-pack, which reads the masters (it was lost at stages 0-2 where the master is apart)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2 * world, 8, generator=g)
+    ref, model = _UsedBeforeRegistered(), _UsedBeforeRegistered()
+    ref_opt = make_sgd(ref.parameters())
+    engine = zeroshard.initialize(model, make_sgd, cfg)
+    for m in (ref, model):
+        with torch.no_grad():
+            m.a.weight.fill_(0.25)
+    ref(x).pow(2).mean().backward()
+    ref_opt.step()
+    engine.backward(engine(x.chunk(world)[rank]).float().pow(2).mean())
+    engine.step()
+    got = engine.full_state_dict()
+    return {"diff": max(float((got[n].float() - p).abs().max()) for n, p in ref.state_dict().items())}
+
+
+for _name, _cfg in {"bf16_stage1": {"stage": 1, "precision": "bf16"},
+                    "fp32_stage2_offload": {"stage": 2, "offload_optimizer": True},
+                    "fp32_stage3": {"stage": 3}}.items():
+    SCENARIOS[f"written_before_the_first_forward_{_name}"] = (
+        lambda rank, world, cfg=_cfg: written_before_the_first_forward(rank, world, {"chunk_size": 72, **cfg}))
+
+
+class _IdentityMap(torch.nn.Module):
+    def forward(self, w):
+        return w
+
+
+class _ParametrizedPerCall(torch.nn.Linear):
+    """Parametrizes its weight for each call and removes it after, as peft's ParamWrapper does for
+    LoRA on fused experts: torch sets the weight to itself on registering (its version counter
+    moves; nothing is written)."""
+
+    def forward(self, x):
+        torch.nn.utils.parametrize.register_parametrization(self, "weight", _IdentityMap())
+        try:
+            return super().forward(x)
+        finally:
+            torch.nn.utils.parametrize.remove_parametrizations(self, "weight", leave_parametrized=False)
+
+
+def parametrized_per_call(rank, world, cfg):
+    """A forward that parametrizes a weight for the call trains what the same model without the
+    parametrization trains, under the same config: its version bump is no write (with the delayed
+    update it raised EngineCallError, a write lost)."""
+    g = torch.Generator().manual_seed(6)
+    data = [torch.randn(2 * world, 8, generator=g) for _ in range(3)]
+    engines = []
+    for cls in (_ParametrizedPerCall, torch.nn.Linear):
+        torch.manual_seed(0)
+        engines.append(zeroshard.initialize(torch.nn.Sequential(cls(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)),
+                                            make_sgd, cfg))
+        for x in data:
+            engines[-1].backward(engines[-1](x.chunk(world)[rank]).pow(2).mean())
+            engines[-1].step()
+    return {"diff": max_diff(engines[0].full_state_dict(), engines[1].full_state_dict())}
+
+
+for _name, _cfg in {"stage2_delayed": {"stage": 2, "offload_optimizer": True, "delay_update_after": 0},
+                    "stage3": {"stage": 3, "cache_chunks": 1},
+                    "stage3_delayed": {"stage": 3, "offload_optimizer": True, "delay_update_after": 0}}.items():
+    SCENARIOS[f"parametrized_per_call_{_name}"] = (
+        lambda rank, world, cfg=_cfg: parametrized_per_call(rank, world, {"chunk_size": 100, **cfg}))
 
 
 def _mse(model, x, y):

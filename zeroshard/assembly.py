@@ -275,7 +275,8 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
     # a forward is a collective
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
-    watch(module, model.params)
+    writes = hooks.writes if hooks is not None else parts.optim.user_writes
+    watch(module, model.params, set_to_itself=writes.seen)  # a parametrization's bump is no write
     grad_readers = guard_grad_readers(on.owned, on.clip_grad_norm)
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)

@@ -228,7 +228,7 @@ class Engine(EngineIO):
         if self.layout.final:
             return
         if order is not None and self.layout.differs(order):
-            self.cache.flush()
+            self._quiesce()  # and the user's writes so far into the masters the re-pack reads (user_writes.py)
             self.layout.repack(order)
             self.layout.adopt_shards()
             self.cache.set_chunks(self.chunks)

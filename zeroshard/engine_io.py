@@ -56,8 +56,10 @@ class EngineIO:
         this first; call it before evaluating or exporting the model by other means)."""
         if self.hooks is not None:  # before it lands: a write lent since is raised, not written over it
             self.hooks.settle_lent()
-        self.optim.land()
-        self._settle()
+        try:
+            self.optim.land()
+        finally:  # one that raised (a write it landed over) has started its all-gathers too
+            self._settle()
 
     def _before_optimizer_load(self) -> None:
         """The user's optimizer.load_state_dict is about to load a state (optim/state_dicts.py): the
@@ -80,11 +82,12 @@ class EngineIO:
         """Stage 3: `params` were written in place and their chunks are still gathered (runtime/
         param_writes.py): their values go into this rank's shards and masters. Not while a delayed
         update is in flight, which will land over them."""
-        if self.optim.update is UpdateState.IN_FLIGHT:
+        if self.optim.update is UpdateState.IN_FLIGHT:  # on every rank alike: each made the same writes
             raise write_lost([self.names[id(p)] for p in params])
         for p in params:
             c, s = self.layout.slot_of[id(p)]
-            c.keep_written(s, local(p))
+            if c.holds_other_values(s, local(p)):  # else nothing to keep in this rank's shard
+                c.keep_written(s, local(p))
 
     def _settle(self) -> None:
         """Wait for every chunk still arriving (ArrivalHooks); at stage 3, keep what was written

@@ -100,7 +100,7 @@ class DelayedUpdate:
         writes into the parameters since they last did (optim/user_writes.py). A write made while
         the update was in flight is lost under the update: EngineCallError, once that landed."""
         if self.update is UpdateState.IDLE:
-            self._writes.carry()
+            self.user_writes.carry()
             return None
         self._thread.join()
         self._thread, outcome, self._outcome = None, self._outcome, None
@@ -120,8 +120,8 @@ class DelayedUpdate:
             slot = self._delay_staging[id(c)]
             slot[1] = c.expect_arrival(c.transfer.to_device(slot[0], out=c.shard))  # waited for at first use
         self._gather_updated(compare=True)  # a rank whose background step failed raised above
-        lost = self._writes.written()
+        lost = self.user_writes.written()
         if lost:
-            self._writes.forget()
+            self.user_writes.forget()
             raise write_lost(lost)
         return True

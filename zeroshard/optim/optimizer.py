@@ -92,7 +92,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         self.chunks = []
         self._views = GradViews()  # the pieces' .grad
         self._tiles = TiledStep()  # which pieces step as cache-sized tiles (tiled_step.py)
-        self._writes = UserWrites()  # the user's writes into parameters, for the masters (user_writes.py)
+        self.user_writes = UserWrites()  # the user's writes into parameters, for the masters (user_writes.py)
         self.last_grad_norm = None
         self.skipped_steps = 0
         self._staging = [(None, None), (None, None)]  # (host buffer, upload reading it)
@@ -131,7 +131,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
             raise InternalError("zeroshard: cannot re-pack the chunks of an optimizer that has state")
         self.groups.assign(self.optimizer, pieces)
         self._build_tiles(self.optimizer)
-        self._writes.watch(self.chunks)
+        self.user_writes.watch(self.chunks)
         if self.tier is not None:  # the masters go to disk now: host memory holds a few at a time from here on
             on_disk = [c for c in chunks if c.placement.optimizer_on_disk]
             self.tier.attach(on_disk)
@@ -162,7 +162,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
         self.groups.assign(self.optimizer, [pc for c in self.chunks for pc in c.pieces],
                            new=[pc for c in thawed for pc in c.pieces])
         self._build_tiles(self.optimizer)
-        self._writes.watch(self.chunks)
+        self.user_writes.watch(self.chunks)
         for c in thawed:
             if c.tier is not None:
                 c.tier.adopt(c)
@@ -219,7 +219,7 @@ class ShardedOptimizer(DelayedUpdate, Publishing, WindowGradients):
             self._take_groups_when_idle()
             self._launch()
             return True
-        self._writes.carry()
+        self.user_writes.carry()
         agreed = []  # _update appends to it once every rank agreed to apply this update
         try:
             applied, overflow, norm = self._update(self._ready_grads(), self._grads_seen(), self._inv_scale(),

@@ -53,6 +53,13 @@ class UserWrites:
                     c.keep_written(s, local(s.param))
             self._seen[key] = (c, now)
 
+    def seen(self, param) -> None:
+        """`param`'s version moved with no write (torch's parametrize set it to itself)."""
+        for key, (c, versions) in self._seen.items():
+            for i, s in enumerate(c.slots):
+                if s.param is param:
+                    versions[i] = param._version
+
     def forget(self) -> None:
         """What was written since last seen is not to be carried (the delayed update landed over it)."""
         self._seen = {key: (c, _versions(c)) for key, (c, _) in self._seen.items()}

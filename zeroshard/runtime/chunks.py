@@ -174,6 +174,18 @@ class Chunk(ChunkMaster, ChunkGrads, ShardInTier):
             with self.master_values(write=True):
                 put(self.master, self.owned_range[0], merge=written)
 
+    @torch.no_grad()
+    def holds_other_values(self, slot: Slot, value: torch.Tensor) -> bool:
+        """Stage 3: whether the shard holds other values for parameter `slot`'s elements in it than
+        `value` (the parameter's gathered copy, whole)."""
+        lo, hi = self.shard_range
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if a >= b:
+            return False
+        with self.shard_values():
+            held = self.shard[a - lo:b - lo].to(value.device)
+        return not torch.equal(held, value.detach().reshape(-1)[a - slot.offset:b - slot.offset])
+
     def keep_written(self, slot: Slot, value: torch.Tensor) -> None:
         """Keep a user's in-place write into parameter `slot` (`value`: the parameter's compute copy
         now, whole) in the copies this rank keeps. Of a 16-bit copy, only the elements that no longer

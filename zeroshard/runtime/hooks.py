@@ -66,9 +66,8 @@ def weak_method(method):
 
 def _storage(t) -> int | None:
     """Where a plain tensor's (or a parameter's) storage is; None for anything else."""
-    if type(t) not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
-        return None
-    return t.untyped_storage().data_ptr()
+    strided = type(t) in (torch.Tensor, nn.Parameter) and t.layout is torch.strided
+    return t.untyped_storage().data_ptr() if strided else None
 
 
 class Stage3Hooks:
@@ -199,7 +198,7 @@ class Stage3Hooks:
                 out = out if replaced is None else replaced
         finally:  # a write that could not be kept raised (param_writes.py): the others end all the same
             while begun:
-                self._end_forward(begun.pop())
+                self._end_forward(begun.pop(), check=False)
         return out
 
     def _lend_if_viewed(self, out, units) -> None:
@@ -210,8 +209,9 @@ class Stage3Hooks:
         what was written (param_writes.py)."""
         chunks = [c for unit in units for c in self.chunks_of(unit)]
         storages = {c.full.untyped_storage().data_ptr() for c in chunks if c.full is not None}
+        params = {id(p) for unit in units for _, p in self.params_of(unit)}  # p.clamp_() returns p: checked already
         flat, _ = tree_flatten(out)
-        views = [weakref.ref(t) for t in flat if _storage(t) in storages]
+        views = [weakref.ref(t) for t in flat if id(t) not in params and _storage(t) in storages]
         if views:
             for c in chunks:
                 self.cache.pin(c)
@@ -345,10 +345,12 @@ class Stage3Hooks:
             ids = self._ids[unit] = {id(p) for _, p in self.params_of(unit)}
         return ids
 
-    def _end_forward(self, unit) -> None:
+    def _end_forward(self, unit, check: bool = True) -> None:
+        """`check`: keep what was written into the unit's parameters (param_writes.py), which may raise."""
         i = len(self.active) - 1 - self.active[::-1].index(unit)
         try:
-            self.writes.check(p for _, p in self.params_of(unit))
+            if check:
+                self.writes.check(p for _, p in self.params_of(unit))
         finally:
             del self.active[i]
             if unit not in self.active and not self._shows_while_held(unit):
@@ -358,8 +360,12 @@ class Stage3Hooks:
 
     def close_open_forwards(self) -> None:
         self._calls.clear()
-        while self.active:
-            self._end_forward(self.active[-1])
+        try:
+            while self.active:
+                self._end_forward(self.active[-1])
+        finally:  # one raised (a write that could not be kept): the rest close all the same
+            while self.active:
+                self._end_forward(self.active[-1], check=False)
 
     def _pre_backward(self, unit) -> None:
         self.in_backward = True

@@ -31,6 +31,11 @@ class WrittenParameters:
                 self._seen[id(p)] = p._version
             self._keep(written)
 
+    def seen(self, param) -> None:
+        """`param`'s version moved with no write (torch's parametrize set it to itself)."""
+        if id(param) in self._seen:
+            self._seen[id(param)] = param._version
+
     def rebase(self) -> None:
         """Start from the versions now: what was written so far is kept by other means
         (engine.full_parameters writes every parameter back)."""

@@ -38,9 +38,10 @@ from .placeholder import ShardedPlaceholder
 class _Watch:
     """One model's watch: the ids of the parameters its engine holds, and its modules' names."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter]):
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], set_to_itself):
         self.params = list(params)  # keeps the ids meaning these objects
         self.held = {id(p) for p in self.params}
+        self.set_to_itself = set_to_itself
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
 
     def known(self, p) -> bool:
@@ -51,15 +52,17 @@ _watches: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictiona
 _installed = False
 
 
-def watch(model: nn.Module, params: list[nn.Parameter]) -> None:
+def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda param: None) -> None:
     """Refuse parameters other than `params` (the engine's; at stage 3 the module shows placeholders
-    of them between forwards) assigned into `model` from now on (module docstring)."""
+    of them between forwards) assigned into `model` from now on (module docstring).
+    `set_to_itself(param)`: a parametrization inside a forward set a held parameter to itself (its
+    version counter moved, its values did not: no write to keep)."""
     global _installed
     if not _installed:
         register_module_parameter_registration_hook(_on_parameter)
         register_module_module_registration_hook(_on_module)
         _installed = True
-    w = _Watch(model, params)
+    w = _Watch(model, params, set_to_itself)
     for m in model.modules():
         _watches[m] = w
 
@@ -110,6 +113,8 @@ def _refuse_parametrization(param) -> None:
     running = _modules_running()
     for w in set(_watches.values()):
         if any(m in w.names for m in running):
+            if id(param) in w.held:  # torch set it to itself first (parametrize's _maybe_set)
+                w.set_to_itself(param)
             continue
         for m, prefix in list(w.names.items()):
             name = next((n for n, p in m._parameters.items() if p is param), None)
