@@ -85,9 +85,9 @@ class EngineIO:
         if self.optim.update is UpdateState.IN_FLIGHT:  # on every rank alike: each made the same writes
             raise write_lost([self.names[id(p)] for p in params])
         for p in params:
-            c, s = self.layout.slot_of[id(p)]
-            if c.holds_other_values(s, local(p)):  # else nothing to keep in this rank's shard
-                c.keep_written(s, local(p))
+            (c, s), value = self.layout.slot_of[id(p)], local(p)
+            if c.holds_other_values(s, value):  # else nothing to keep in this rank's shard
+                c.keep_written(s, value)
 
     def _settle(self) -> None:
         """Wait for every chunk still arriving (ArrivalHooks); at stage 3, keep what was written

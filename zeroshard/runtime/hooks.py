@@ -221,8 +221,9 @@ class Stage3Hooks:
         """Keep what was written through views of parameters lent outside every forward, and release
         their chunks (_lend_if_viewed): all of them, or those whose views are gone (before the next
         operation on a parameter: a view still held may yet be written through)."""
-        done = [e for e in self._lent if not whose_views_died or all(v() is None for v in e[2])]
-        self._lent = [e for e in self._lent if not any(e is d for d in done)]
+        lent, self._lent, done = self._lent, [], []
+        for e in lent:
+            (self._lent if whose_views_died and any(v() is not None for v in e[2]) else done).append(e)
         try:
             units = dict.fromkeys(u for e in done for u in e[0])
             self.writes.check(p for unit in units for _, p in self.params_of(unit))

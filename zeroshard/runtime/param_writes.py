@@ -23,9 +23,13 @@ class WrittenParameters:
         self._keep = keep
         self.rebase()
 
-    def check(self, params: Iterable) -> None:
-        """Hand the parameters among `params` written since last seen to `keep`."""
-        written = [p for p in params if p._version != self._seen[id(p)]]
+    def changed(self, params: Iterable | None = None) -> list:
+        """The parameters among `params` (default: every one) written since last seen."""
+        return [p for p in (self._params if params is None else params) if p._version != self._seen[id(p)]]
+
+    def check(self, params: Iterable | None = None) -> None:
+        """Hand the parameters among `params` (default: every one) written since last seen to `keep`."""
+        written = self.changed(params)
         if written:
             for p in written:
                 self._seen[id(p)] = p._version
@@ -38,5 +42,5 @@ class WrittenParameters:
 
     def rebase(self) -> None:
         """Start from the versions now: what was written so far is kept by other means
-        (engine.full_parameters writes every parameter back)."""
+        (engine.full_parameters writes every parameter back), or lost (the delayed update landed over it)."""
         self._seen = {id(p): p._version for p in self._params}
