@@ -363,8 +363,10 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
     torch. torch.nn.utils.clip_grad_norm_ before the step clips as torch's does (it used to raise:
     the gradients are not in .grad), given the model's parameters (SGD) or the optimizer's (AdamW,
     which lists master pieces); its norms are torch's. optimizer.step(closure) raises EngineCallError on
-    every rank, and torch's GradScaler (which unscales .grad, where there is none)
-    GradientsInChunksError."""
+    every rank, as do a step after .grad set by hand and no backward (it stepped nothing, silently)
+    and the step of an optimizer over the model's parameters that initialize was not given (a GAN's
+    second: it skipped them, silently); torch's GradScaler (which unscales .grad, where there is
+    none) raises GradientsInChunksError."""
     data = batches(4, world, 2, accumulation=2)
     norms = []
 
@@ -397,6 +399,16 @@ def plain_loop(rank, world, stage, make_opt, scheduler_first: bool):
     out = {"diff": max_diff(wrap.engine.full_state_dict(), ref.state_dict()), "steps": wrap.engine.steps,
            "norms": norms,
            "closure": error_on_every_rank(lambda: opt.step(lambda: 0.0))}
+    before = wrap.engine.full_state_dict()
+
+    def hand_set_step():
+        for p in model.parameters():
+            p.grad = torch.ones(p.shape)
+        opt.step()
+    out["hand_set"] = error_on_every_rank(hand_set_step)
+    out["hand_set_cleared"] = all(p.grad is None for p in model.parameters())
+    out["foreign"] = error_on_every_rank(lambda: torch.optim.SGD(model.parameters(), lr=0.1).step())
+    out["unchanged"] = max_diff(wrap.engine.full_state_dict(), before)
     scaler = torch.amp.GradScaler("cpu")
 
     def scaled_step():

@@ -136,19 +136,24 @@ class _Untrainable(torch.nn.Module):
             self.q = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False)
         elif kind == "sparse":
             self.emb = torch.nn.Embedding(10, 4, sparse=True)
+        elif kind == "lazy":  # no shape until its first forward (it raised torch's RuntimeError)
+            self.head = torch.nn.LazyLinear(4)
 
 
 def untrainable(rank, world, stage):
     """Models zeroshard would otherwise change without a word (a float64, complex or integer
-    parameter) or cannot reduce (sparse gradients): initialize raises UnsupportedModelError on every
+    parameter) or cannot chunk or reduce (a lazy module's parameter, sparse gradients): initialize raises UnsupportedModelError on every
     rank, before any collective, and leaves the model as it was."""
     out = {}
-    for kind in ("float64", "complex", "integer", "sparse"):
+    def state(model):
+        return {n: (type(p), p.dtype, None if isinstance(p, torch.nn.parameter.UninitializedParameter) else p.data_ptr())
+                for n, p in model.named_parameters()}
+
+    for kind in ("float64", "complex", "integer", "sparse", "lazy"):
         model = _Untrainable(kind)
-        before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+        before = state(model)
         out[kind] = {"raised": error_on_every_rank(lambda: zeroshard.initialize(model, make_sgd, {"stage": stage})),
-                     "unchanged": before == {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
-                     and type(model) is _Untrainable}
+                     "unchanged": before == state(model) and type(model) is _Untrainable}
     return out
 
 
@@ -353,7 +358,31 @@ def _penalised(model, backward, x, y):
     backward(torch.nn.functional.mse_loss(out, y) + gx.pow(2).sum(1).mean())
 
 
-GRADIENT_CALLS = {"adversarial": _adversarial, "retained": _retained, "penalised": _penalised}
+def _r1(model, backward, x, y):
+    """An R1 penalty (StyleGAN) in a backward of its own after the loss's: the input's gradient with
+    create_graph=True, its squared norm backpropagated alone, which gives the LayerNorm's bias an
+    undefined gradient (the penalty does not depend on it; torch leaves its .grad as it was)."""
+    backward(_mse(model, x, y))
+    x = x.clone().requires_grad_(True)
+    gx, = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    backward(gx.pow(2).sum(1).mean())
+
+
+def _some_inputs(model, backward, x, y):
+    """backward(inputs=...) of a part of the parameters (the first Linear's weight and the last
+    Linear's): the rest get no gradient this step, as in torch (stage 3 raised ValueError on the
+    placeholders given)."""
+    m = getattr(model, "module", model)
+    _mse(model, x, y).backward(inputs=[m[0].weight, *m[2].parameters()])
+
+
+GRADIENT_CALLS = {"adversarial": _adversarial, "retained": _retained, "penalised": _penalised, "r1": _r1,
+                  "some_inputs": _some_inputs}
+
+
+def _normed_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
 
 
 def gradient_calls(rank, world, kind, stage, extra=None):
@@ -364,13 +393,14 @@ def gradient_calls(rank, world, kind, stage, extra=None):
     which the sign (FGSM) removes and the penalty's mean over rows keeps equal."""
     g = torch.Generator().manual_seed(7)
     xs, ys = torch.randn(3, world, 4, 8, generator=g), torch.randn(3, world, 4, 4, generator=g)
-    ref = _mlp()
+    make = _normed_mlp if kind == "r1" else _mlp
+    ref = make()
     ref_opt = make_sgd(ref.parameters())
     for x, y in zip(xs, ys):
         GRADIENT_CALLS[kind](ref, lambda loss: loss.backward(), x.reshape(-1, 8), y.reshape(-1, 4))
         ref_opt.step()
         ref_opt.zero_grad()
-    engine = zeroshard.initialize(_mlp(), make_sgd, {"stage": stage, "chunk_size": 200, **(extra or {})})
+    engine = zeroshard.initialize(make(), make_sgd, {"stage": stage, "chunk_size": 200, **(extra or {})})
     for x, y in zip(xs, ys):
         GRADIENT_CALLS[kind](engine, engine.backward, x[rank], y[rank])
         engine.step()

@@ -198,7 +198,8 @@ def test_a_model_the_chunks_cannot_hold_is_refused_on_every_rank_untouched(res, 
     names = {"float64": "float64 parameters 'lin.weight' (torch.float64), 'lin.bias'",
              "complex": "complex parameters 'phase' (torch.complex64)",
              "integer": "integer or bool parameters 'q' (torch.int8)",
-             "sparse": "sparse-gradient modules 'emb' (Embedding(sparse=True))"}
+             "sparse": "sparse-gradient modules 'emb' (Embedding(sparse=True))",
+             "lazy": "uninitialized parameters 'head.weight' (torch.float32), 'head.bias'"}
     for kind, named in names.items():
         assert len(got[kind]["raised"]) == world, got[kind]
         for raised in got[kind]["raised"]:
@@ -254,11 +255,13 @@ def test_a_parametrization_for_each_call_writes_nothing(res, name):
 
 
 @pytest.mark.parametrize("config", ["stage0", "stage1", "stage2", "stage3", "stage3_cache1"])
-@pytest.mark.parametrize("kind", ["adversarial", "retained", "penalised"])
+@pytest.mark.parametrize("kind", ["adversarial", "retained", "penalised", "r1", "some_inputs"])
 def test_gradients_besides_the_loss_backward_train_as_in_torch(res, kind, config):
     """torch.autograd.grad of the input (FGSM), a backward that retains its graph for a second, a
-    gradient penalty (create_graph=True): fp32 SGD tolerance; stage 3 also with a 1-chunk rCache,
-    where the two chunks are gathered again for every use."""
+    gradient penalty (create_graph=True), in the loss or in a backward of its own (R1: it raised
+    AttributeError on the undefined gradient it gives a bias), backward(inputs=...) of some
+    parameters (stage 3 raised ValueError): fp32 SGD tolerance; stage 3 also with a 1-chunk
+    rCache, where the two chunks are gathered again for every use."""
     r, _ = res
     got = ok(r, f"gradient_calls_{kind}_{config}")
     assert got["chunks"] == 2 and got["diff"] <= TOL["sgd"]
@@ -353,8 +356,10 @@ def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
     optimizer.zero_grad() on the user's optimizer trains what plain torch trains (the scheduler
     built before initialize with SGD, after it with AdamW), zero_grad between backwards drops the
     first; torch's clip_grad_norm_ returns torch's norms and clips (given the model's parameters
-    with SGD, the optimizer's with AdamW); a closure raises, and so does torch's GradScaler, naming
-    the config's fp16 loss scaling."""
+    with SGD, the optimizer's with AdamW); a closure raises, as do a step after .grad set by hand
+    with no backward, whose .grad are cleared, and another optimizer's step over the model's
+    parameters, both changing nothing; so does torch's GradScaler, naming the config's fp16 loss
+    scaling."""
     r, world = res
     got = ok(r, f"plain_loop_{opt}_stage{stage}")
     assert got["diff"] <= TOL[opt] and got["steps"] == 4
@@ -363,5 +368,13 @@ def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
     assert max(torch_norms) > CLIP_TO, torch_norms  # it clips
     assert len(got["closure"]) == world and all(e.startswith("EngineCallError: zeroshard: optimizer.step(closure)")
                                                 for e in got["closure"])
+    assert len(got["hand_set"]) == world and all(
+        e.startswith("EngineCallError: zeroshard: transformer.wte.weight (") and "has a .grad set by hand" in e
+        for e in got["hand_set"]), got["hand_set"]
+    assert got["hand_set_cleared"]
+    assert len(got["foreign"]) == world and all(
+        e.startswith("EngineCallError: zeroshard: SGD.step() over transformer.wte.weight, which zeroshard trains")
+        for e in got["foreign"]), got["foreign"]
+    assert got["unchanged"] == 0.0
     assert len(got["grad_scaler"]) == world and all(
         e.startswith("GradientsInChunksError: zeroshard: torch.amp.GradScaler unscales") for e in got["grad_scaler"])

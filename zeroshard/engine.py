@@ -25,7 +25,7 @@ from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
 from .errors import ConfigError, EngineCallError, GradientsInChunksError, invariant
-from .optim.user_calls import refuse_clip_call, route_optimizer_calls
+from .optim.user_calls import refuse_clip_call, refuse_grads_set_by_hand, route_optimizer_calls
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
@@ -177,10 +177,9 @@ class Engine(EngineIO):
     forward = __call__
 
     def compile_with(self, compiler) -> None:
-        """Compile with `compiler` (a callable taking a function and returning its compiled form,
-        such as the context of a module a user passed through torch.compile) instead of
-        torch.compile with config `compile`'s arguments; config `compile` must be on (at stage 3
-        it chose the blocks at initialize). Takes effect where config `compile` would."""
+        """Compile with `compiler` (a callable taking a function, returning its compiled form) instead
+        of torch.compile with config `compile`'s arguments, which must be on (at stage 3 it chose the
+        blocks at initialize); it takes effect where config `compile` would."""
         if self._compiler is None:
             raise ConfigError("zeroshard: compile_with needs config compile on (it picks what is compiled)")
         if self.compiled is not None:
@@ -188,9 +187,8 @@ class Engine(EngineIO):
         self._compiler = compiler
 
     def thaw(self, names=frozenset()) -> None:
-        """Make trainable the frozen chunks holding a parameter that now requires a gradient, or
-        one named in `names` (a checkpoint holding its optimizer state); a delayed update in flight
-        lands first."""
+        """Make trainable the frozen chunks holding a parameter that now requires a gradient, or one
+        named in `names` (a checkpoint holding its optimizer state); a delayed update lands first."""
         chunks = self.layout.unfrozen(names)
         if chunks:
             self.apply_delayed_update()
@@ -342,7 +340,7 @@ class Engine(EngineIO):
                 raise
         self.shards.progress()  # reductions whose order check came back start now
         chunk, slot = self.layout.slot_of[id(p)]
-        self.reducer.add(chunk, slot, local_grad(p, p.grad if grad is None else grad))
+        self.reducer.add(chunk, slot, local_grad(p, p.grad if grad is None else grad))  # None: reducer.add
         p.grad = None
         if self.timeline is not None:  # before finishing reductions: the most gradient buffers held
             self.timeline.sample("backward", slot.name)
@@ -367,8 +365,10 @@ class Engine(EngineIO):
         gradient skipped it: fp16 overflow, config nonfinite='skip'; nonfinite='raise' raises
         NonFiniteError instead)."""
         self._expect_idle("step()")
-        if not self.grads_pending or self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
-            return False  # no backward since the last step: torch changes no parameter without a .grad
+        if not self.grads_pending:  # no backward since the last step: torch changes no parameter without a .grad
+            return refuse_grads_set_by_hand(self.params, self.names)
+        if self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
+            return False
         # A rank a micro-batch or a step apart raises at the step's first collective (stage 0 without
         # clipping has none: at the next one), or in its peers' hooks (ordering.py)
         self.comm.announce(STEP, alone=self.optim.issues_no_collective)

@@ -199,17 +199,21 @@ def refuse_untrainable(module: nn.Module) -> None:
     """UnsupportedModelError, naming each, for what zeroshard would otherwise change without a word:
     chunks hold fp32 or 16-bit values (config precision), so a float64 parameter would train in
     fp32, a complex one would lose its imaginary part and an integer one (a quantized base's) would
-    turn into floats; a module that makes sparse gradients (an nn.Embedding or nn.EmbeddingBag built
+    turn into floats, and a lazy module's parameter (nn.LazyLinear) has no shape to chunk until its
+    first forward; a module that makes sparse gradients (an nn.Embedding or nn.EmbeddingBag built
     with sparse=True) has no flat gradient to reduce. Every rank holds the same model, so every rank
     raises."""
     kinds = {  # what is wrong -> (names, what to do)
+        "uninitialized": ([], "run one forward of the model (or of each lazy module) before initialize, which "
+                              "gives each its shape"),
         "float64": ([], "cast the model to fp32 first (model.float()); config precision picks fp32 or 16-bit"),
         "complex": ([], "keep each as a real parameter of shape (..., 2), read with torch.view_as_complex"),
         "integer or bool": ([], "register each as a buffer (register_buffer), or dequantize the model"),
         "sparse-gradient": ([], "build each with sparse=False"),
     }
     for name, p in module.named_parameters():
-        kind = "float64" if p.dtype == torch.float64 else "complex" if p.is_complex() else \
+        kind = "uninitialized" if isinstance(p, nn.parameter.UninitializedParameter) else \
+            "float64" if p.dtype == torch.float64 else "complex" if p.is_complex() else \
             None if p.is_floating_point() else "integer or bool"
         if kind:
             kinds[kind][0].append(f"{name!r} ({p.dtype})")

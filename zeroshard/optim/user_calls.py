@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import types
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from ..errors import EngineCallError, GradientsInChunksError
+from ..runtime.replacements import held_name
 
 
 def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
@@ -51,8 +54,58 @@ def route_optimizer_calls(opt, step, zero_grad, stepping) -> None:
         return None
 
     opt._step_supports_amp_scaling = True  # GradScaler's protocol (above)
+    opt._zs_routed = True  # _refuse_foreign_step's to skip
+    _refuse_foreign_steps()
     opt.step = types.MethodType(routed_step, opt)
     opt.zero_grad = types.MethodType(routed_zero_grad, opt)
+
+
+_foreign_hook = None
+
+
+def _refuse_foreign_steps() -> None:
+    """Once per process: every torch optimizer's step runs _refuse_foreign_step first."""
+    global _foreign_hook
+    if _foreign_hook is None:
+        _foreign_hook = register_optimizer_step_pre_hook(_refuse_foreign_step)
+
+
+def _refuse_foreign_step(opt, args, kwargs) -> None:
+    """EngineCallError from the step of an optimizer no engine was given that lists parameters an
+    engine holds (a GAN's second optimizer over its generator): their gradients live in the chunks,
+    never in .grad, so torch's step would skip them and they would train on nothing, silently.
+    The same loop runs on every rank, so every rank raises, before anything is stepped."""
+    if getattr(opt, "_zs_routed", False):
+        return
+    for group in opt.param_groups:
+        for p in group["params"]:
+            name = held_name(p)
+            if name is not None:
+                raise EngineCallError(
+                    f"zeroshard: {type(opt).__name__}.step() over {name}, which zeroshard trains, but this optimizer "
+                    "was not given to zeroshard.initialize: the gradients live in zeroshard's chunks, never in .grad, "
+                    "so the step would skip it. One engine steps one optimizer: give it every parameter, in param "
+                    "groups (each with its own lr), or wrap each network (a GAN's generator and discriminator) in "
+                    "an engine of its own")
+
+
+def refuse_grads_set_by_hand(params: list, names: dict[int, str]) -> bool:
+    """EngineCallError for a step with no backward since the last one where one of `params` (the
+    real parameters: stage 3's placeholders hand a .grad set on them to theirs; `names`: id ->
+    name) holds a .grad: one assigned by hand (`p.grad = g` from torch.autograd.grad), which torch's
+    step would apply, where zeroshard's takes gradients from backward into its chunks only and would
+    change nothing, silently. The same loop runs on every rank, so every rank raises. Else False:
+    the step applies nothing, as torch's changes no parameter without a .grad."""
+    named = [names[id(p)] for p in params if p.grad is not None]
+    if named:
+        for p in params:  # a later backward would add its gradients to them
+            p.grad = None
+        raise EngineCallError(
+            f"zeroshard: {named[0]} ({len(named)} parameters) has a .grad set by hand and no backward came before "
+            "this step: zeroshard takes gradients from backward (loss.backward(), engine.backward(loss)) into its "
+            "chunks, never from .grad (those set are cleared). Compute the loss whose gradient you want and call "
+            "backward on it")
+    return False
 
 
 def refuse_clip_call(given: list, owned: set[int], trained: list, pieces: list, norm_type, *, delayed: bool,

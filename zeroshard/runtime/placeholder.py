@@ -105,6 +105,10 @@ class ShardedPlaceholder(torch.Tensor):
                 ".half ..., or its .data replaced): the engine owns where parameters live and in which dtype. Move "
                 "the model before initialize, choose the dtype with the config's precision, write values inside "
                 "`with engine.full_parameters():`; the parameter is as it was")
+        if func is torch.autograd.backward:  # backward(inputs=[...]): the graph holds the real parameters
+            real = tree_map_only(ShardedPlaceholder, lambda a: a if a._zs_param is None else a._zs_param, (args, kwargs))
+            if not any(isinstance(a, ShardedPlaceholder) for a in tree_flatten(real)[0]):
+                return func(*real[0], **(real[1] or {}))
         flat, _ = tree_flatten((args, kwargs or {}))
         held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
         borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None

@@ -65,13 +65,17 @@ class GradientReducer:
         self._next = 0
         self._arrived = set()
 
-    def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
+    def add(self, chunk: Chunk, slot: Slot, grad: torch.Tensor | None) -> None:
         """Accumulate one parameter's gradient into its chunk. One that arrives after the chunk's
         reduction started (reentrant checkpointing re-runs a parameter in two regions) sets that
-        reduction aside, to be folded in with the late gradients' own."""
-        if chunk.grad_state is GradState.REDUCING:
-            chunk.stash_reduced()
-        chunk.accumulate_grad(slot, grad, self.scale if chunk.scales_on_arrival else 1.0, self.buffers)
+        reduction aside, to be folded in with the late gradients' own. None: autograd accumulated
+        an undefined gradient (a second backward through torch.autograd.grad(create_graph=True),
+        an R1 penalty's, reaches a LayerNorm's bias with none), which leaves torch's .grad as it
+        was: the parameter counts as arrived, its slot unchanged."""
+        if grad is not None:
+            if chunk.grad_state is GradState.REDUCING:
+                chunk.stash_reduced()
+            chunk.accumulate_grad(slot, grad, self.scale if chunk.scales_on_arrival else 1.0, self.buffers)
         if id(slot.param) not in self._counted_at_leaf_end:
             self._count(chunk, slot)
 

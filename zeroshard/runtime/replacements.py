@@ -19,6 +19,14 @@ parameter, before torch changes the module; but inside a forward of one of the m
 where one that parametrizes for the call and removes it after is the model's own business (peft's
 LoRA of a fused MoE's parameters, ParamWrapper, does so at every forward).
 
+A held parameter registered in its own module under another name (torch.nn.utils.prune,
+spectral_norm and weight_norm move `weight` to `weight_orig` or `weight_g`/`weight_v` and compute
+`weight` from it at each forward; their remove_* move it back) would leave the chunks' names, the
+state dict's keys and stage 3's entries on the old name: a full_state_dict the edited model refuses,
+and at stages 0-2 the forward read a `weight` computed once from the chunk. It is refused too; a
+held parameter the edit already deleted from the module is put back first, so the module is as it
+was, save what the edit deleted besides (spectral_norm's removal drops its buffers before that).
+
 Each model is watched from the end of initialize until a later initialize over it begins (which
 may itself assign parameters: a model built on the meta device gets real ones).
 """
@@ -36,19 +44,51 @@ from .placeholder import ShardedPlaceholder
 
 
 class _Watch:
-    """One model's watch: the ids of the parameters its engine holds, and its modules' names."""
+    """One model's watch: the ids of the parameters its engine holds, its modules' names, and where
+    each module held which of them (the real parameter and stage 3's placeholder of it alike)."""
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], set_to_itself):
         self.params = list(params)  # keeps the ids meaning these objects
         self.held = {id(p) for p in self.params}
         self.set_to_itself = set_to_itself
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
+        self.homes: weakref.WeakKeyDictionary[nn.Module, dict[str, list]] = weakref.WeakKeyDictionary()
+        for m in model.modules():
+            self.add_homes(m)
 
     def known(self, p) -> bool:
         return p is None or isinstance(p, ShardedPlaceholder) or id(p) in self.held
 
+    def add_homes(self, module: nn.Module) -> None:
+        for name, p in module._parameters.items():
+            self.add_home(module, name, p)
+
+    def add_home(self, module: nn.Module, name: str, p) -> None:
+        refs = self.homes.setdefault(module, {}).setdefault(name, [])
+        for t in (p, getattr(p, "_zs_param", None)):
+            if t is not None and not any(r() is t for r in refs):
+                refs.append(weakref.ref(t))
+
+    def renamed(self, module: nn.Module, name: str, param) -> str | None:
+        """The other name `module` held `param` under, where it is registered under `name` now."""
+        homes = self.homes.get(module, {})
+        if param is None or any(r() is param for r in homes.get(name, ())):
+            return None
+        return next((n for n, refs in homes.items() if any(r() is param for r in refs)), None)
+
+    def put_back(self, module: nn.Module) -> None:
+        """Re-register the held parameters an edit refused on `module` deleted from it already."""
+        for name, refs in self.homes.get(module, {}).items():
+            if name in module._parameters or name in module._buffers or name in module._modules or name in vars(module):
+                continue
+            held = [t for t in (r() for r in refs) if t is not None]
+            p = next((t for t in held if isinstance(t, ShardedPlaceholder)), held[0] if held else None)
+            if p is not None:
+                module._parameters[name] = p
+
 
 _watches: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictionary()
+_every_watch: weakref.WeakSet[_Watch] = weakref.WeakSet()
 _installed = False
 
 
@@ -63,6 +103,7 @@ def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda par
         register_module_module_registration_hook(_on_module)
         _installed = True
     w = _Watch(model, params, set_to_itself)
+    _every_watch.add(w)
     for m in model.modules():
         _watches[m] = w
 
@@ -71,6 +112,18 @@ def unwatch(model: nn.Module) -> None:
     """Stop watching `model` (a new initialize over it begins)."""
     for m in model.modules():
         _watches.pop(m, None)
+
+
+def held_name(t) -> str | None:
+    """Where a watched model holds `t` (a parameter its engine holds, or stage 3's placeholder of
+    one), else None."""
+    if isinstance(t, ShardedPlaceholder):
+        return t._zs_name
+    for w in _every_watch:
+        if id(t) in w.held:
+            return next((_where(w, m, n) for m, homes in w.homes.items() for n, refs in homes.items()
+                         if any(r() is t for r in refs)), "a parameter")
+    return None
 
 
 def _where(w: _Watch, module: nn.Module, name: str) -> str:
@@ -89,8 +142,21 @@ def _on_parameter(module: nn.Module, name: str, param):
     w = _watches.get(module)
     if w is None and isinstance(module, ParametrizationList):
         _refuse_parametrization(param)
-    if w is not None and not w.known(param):
+    if w is None:
+        return
+    if not w.known(param):
+        w.put_back(module)
         raise _refuse(_where(w, module, name), f"a new parameter of shape {tuple(param.shape)}")
+    old = w.renamed(module, name, param)
+    if old is not None:
+        w.put_back(module)
+        raise ParameterReplacedError(
+            f"zeroshard: {_where(w, module, old)} registered again as {_where(w, module, name)} after initialize "
+            "(torch.nn.utils.prune, spectral_norm, weight_norm or their remove_* move a parameter to another name "
+            "and compute the old one from it at each forward): zeroshard's chunks, state dicts and stage 3's "
+            "entries keep the name it had at initialize. Apply them before zeroshard.initialize; the module's "
+            "parameters are as they were")
+    w.add_home(module, name, param)
 
 
 def _on_module(module: nn.Module, name: str, child):
@@ -105,6 +171,7 @@ def _on_module(module: nn.Module, name: str, child):
     for n, m in child.named_modules():
         _watches[m] = w
         w.names.setdefault(m, f"{prefix}.{n}" if n else prefix)
+        w.add_homes(m)
 
 
 def _refuse_parametrization(param) -> None:
