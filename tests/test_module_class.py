@@ -439,6 +439,74 @@ def test_a_held_parameter_renamed_after_initialize_raises_and_changes_nothing(st
     assert max(float((got[k] - v).abs().max()) for k, v in want.items()) <= 1e-6
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_model_whose_engine_is_gone_trains_as_plain_torch(stage):
+    """The watch over a model (new parameters, renames, other optimizers' steps) lives while its
+    engine does: a plain torch optimizer over the model after the engine is dropped steps as torch
+    (a first version refused it with EngineCallError)."""
+    model, ref = twin(Net)
+    engine, opt = wrap(model, stage), sgd(ref.parameters())
+    x = torch.randn(3, 4)
+    train_once(engine, x)
+    train_plain(ref, opt, x)
+    del engine
+    gc.collect()
+    own = sgd(model.parameters())
+    for _ in range(2):
+        train_plain(model, own, x)
+        train_plain(ref, opt, x)
+    assert max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters())) <= 1e-6
+
+
+class _FusedHead(torch.autograd.Function):
+    """A fused kernel's shape: given the head's weight in the root's forward, outside the head's."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        ctx.save_for_backward(h, w)
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        return g @ w, g.t() @ h
+
+
+class _FusedNet(Net):
+    def forward(self, x):
+        return _FusedHead.apply(self.act(self.inp(x)), self.out.weight)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_backward_inputs_trains_those_alone_or_names_a_placeholder_leaf(stage):
+    """loss.backward(inputs=[...]) of some parameters trains those alone, as in torch (stage 3
+    raised ValueError on the placeholders given). At stage 3, a parameter a custom Function took
+    outside its module's forward is a leaf autograd records as its placeholder: naming it in
+    inputs raises ShardedParameterError (a first version handed autograd the real parameter
+    instead, which is not in that graph, and the head silently trained on nothing)."""
+    model, ref = twin(Net)
+    engine, opt = wrap(model, stage), sgd(ref.parameters())
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        for m, o in ((model, None), (ref, opt)):
+            m(x).float().pow(2).mean().backward(inputs=[m.inp.weight, *m.out.parameters()])
+            if o is not None:
+                o.step()
+                o.zero_grad()
+        engine.step()
+    got = engine.full_state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items()) <= 1e-6
+    fused = _FusedNet()
+    engine = wrap(fused, stage)
+    loss = fused(x).pow(2).mean()
+    if stage == 3:
+        with pytest.raises(zeroshard.ShardedParameterError, match="backward.inputs=.*names out.weight, which a custom"):
+            loss.backward(inputs=[fused.out.weight])
+    else:
+        loss.backward(inputs=[fused.out.weight])
+        assert engine.step()
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_new_data_for_a_parameter_raises_at_its_gradient_and_puts_it_back(stage):
     """`param.data = ...` after initialize left the chunk behind: the forward read the new tensor

@@ -252,6 +252,7 @@ class Installed:
     saved: SavedTensorHooks
     unhooked: list[nn.Parameter]  # parameters frozen now, with no gradient hook yet
     grad_readers: GradReaders  # torch.nn.utils' gradient readers know the engine's tensors while it keeps this
+    watch: object  # runtime/replacements.py: the model is watched while the engine keeps this
 
 
 def install_hooks(module: nn.Module, config: Config, world: World, model: Model, parts: Parts,
@@ -276,7 +277,7 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
     writes = hooks.writes if hooks is not None else parts.optim.user_writes
-    watch(module, model.params, set_to_itself=writes.seen)  # a parametrization's bump is no write
+    watched = watch(module, model.params, set_to_itself=writes.seen)  # a parametrization's bump is no write
     grad_readers = guard_grad_readers(on.owned, on.clip_grad_norm)
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)
@@ -293,4 +294,5 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
         if config.partition_activations else None
     saved = SavedTensorHooks(world.device, world.transfer, hooks, lambda: layout.chunks, config.offload_activations,
                              partition)
-    return Installed(hooks, loading, arrivals, saved, [p for p in model.params if not p.requires_grad], grad_readers)
+    return Installed(hooks, loading, arrivals, saved, [p for p in model.params if not p.requires_grad], grad_readers,
+                     watched)

@@ -74,8 +74,8 @@ class Engine(EngineIO):
                                             self._grad_arrived, self._owned, self._clip_grad_norm,
                                             self._params_written)))
         installed = install_hooks(module, config, world, model, parts, on)
-        self.hooks, self.loading, self._arrivals, self.saved, self._grad_readers = \
-            installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers
+        self.hooks, self.loading, self._arrivals, self.saved, self._grad_readers, self._watch = (
+            installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers, installed.watch)
         self._grad_arrived_hook = on.grad_arrived
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
         # first: a unit's own pre-hook must see the chunks as thawed

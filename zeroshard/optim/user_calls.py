@@ -79,7 +79,7 @@ def _refuse_foreign_step(opt, args, kwargs) -> None:
         return
     for group in opt.param_groups:
         for p in group["params"]:
-            name = held_name(p)
+            name = held_name(p) if p.requires_grad else None  # a frozen one: torch's step skips it too
             if name is not None:
                 raise EngineCallError(
                     f"zeroshard: {type(opt).__name__}.step() over {name}, which zeroshard trains, but this optimizer "

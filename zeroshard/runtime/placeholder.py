@@ -105,10 +105,12 @@ class ShardedPlaceholder(torch.Tensor):
                 ".half ..., or its .data replaced): the engine owns where parameters live and in which dtype. Move "
                 "the model before initialize, choose the dtype with the config's precision, write values inside "
                 "`with engine.full_parameters():`; the parameter is as it was")
-        if func is torch.autograd.backward:  # backward(inputs=[...]): the graph holds the real parameters
-            real = tree_map_only(ShardedPlaceholder, lambda a: a if a._zs_param is None else a._zs_param, (args, kwargs))
-            if not any(isinstance(a, ShardedPlaceholder) for a in tree_flatten(real)[0]):
-                return func(*real[0], **(real[1] or {}))
+        if func is torch.autograd.backward and _placeholders_in_inputs_only(args, kwargs or {}):
+            # backward(inputs=[...]): autograd's leaf is the real parameter, save where a custom
+            # Function was given the placeholder itself (Note: gradients past the placeholder)
+            _refuse_placeholder_leaves(args[0], kwargs["inputs"])
+            inputs = tuple(a._zs_param if isinstance(a, ShardedPlaceholder) else a for a in kwargs["inputs"])
+            return func(*args, **{**kwargs, "inputs": inputs})
         flat, _ = tree_flatten((args, kwargs or {}))
         held = [a for a in flat if isinstance(a, ShardedPlaceholder)]
         borrow = held[0]._zs_borrow if held and func is not torch.Tensor.__repr__ else None
@@ -148,6 +150,36 @@ class ShardedPlaceholder(torch.Tensor):
         if func is torch.ops.aten.set_.source_Tensor and len(args) == 2 and args[1] is args[0]:
             return args[0]
         raise ShardedParameterError(f"zeroshard stage 3: {func} reached a sharded parameter placeholder")
+
+
+def _placeholders_in_inputs_only(args, kwargs) -> bool:
+    rest = tree_flatten((args, {k: v for k, v in kwargs.items() if k != "inputs"}))[0]
+    given = kwargs.get("inputs") or ()
+    return not any(isinstance(a, ShardedPlaceholder) for a in rest) and \
+        all(a._zs_param is not None for a in given if isinstance(a, ShardedPlaceholder))
+
+
+def _refuse_placeholder_leaves(tensors, inputs) -> None:
+    """ShardedParameterError where one of `inputs` is itself a leaf of the graph behind `tensors`
+    (a custom Function took it outside its module's forward): its gradient would reach the
+    placeholder, not the real parameter named in its stead (the same graph on every rank)."""
+    given = {id(a): a for a in inputs if isinstance(a, ShardedPlaceholder)}
+    stack = [t.grad_fn for t in (tensors if isinstance(tensors, (tuple, list)) else (tensors,))
+             if isinstance(t, torch.Tensor)]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if id(leaf) in given:
+            raise ShardedParameterError(
+                f"zeroshard stage 3: backward(inputs=[...]) names {leaf._zs_name}, which a custom "
+                "torch.autograd.Function was given outside the forward of its module: its gradient reaches the "
+                "sharded placeholder, which backward(inputs=...) cannot follow. Call backward without inputs "
+                "(freeze what should not train), or use stage <= 2")
+        stack.extend(f for f, _ in node.next_functions)
 
 
 # Note: gradients past the placeholder. An operation on a placeholder in a forward or outside every

@@ -28,7 +28,8 @@ held parameter the edit already deleted from the module is put back first, so th
 was, save what the edit deleted besides (spectral_norm's removal drops its buffers before that).
 
 Each model is watched from the end of initialize until a later initialize over it begins (which
-may itself assign parameters: a model built on the meta device gets real ones).
+may itself assign parameters: a model built on the meta device gets real ones) or its engine is
+dropped (the engine keeps the watch).
 """
 from __future__ import annotations
 
@@ -87,12 +88,18 @@ class _Watch:
                 module._parameters[name] = p
 
 
-_watches: weakref.WeakKeyDictionary[nn.Module, _Watch] = weakref.WeakKeyDictionary()
+# Weakly: a watch lives while its engine keeps it (a model whose engine is gone trains as plain torch)
+_watches: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 _every_watch: weakref.WeakSet[_Watch] = weakref.WeakSet()
+
+
+def _watch_of(module: nn.Module) -> _Watch | None:
+    ref = _watches.get(module)
+    return None if ref is None else ref()
 _installed = False
 
 
-def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda param: None) -> None:
+def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda param: None) -> _Watch:
     """Refuse parameters other than `params` (the engine's; at stage 3 the module shows placeholders
     of them between forwards) assigned into `model` from now on (module docstring).
     `set_to_itself(param)`: a parametrization inside a forward set a held parameter to itself (its
@@ -105,7 +112,8 @@ def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda par
     w = _Watch(model, params, set_to_itself)
     _every_watch.add(w)
     for m in model.modules():
-        _watches[m] = w
+        _watches[m] = weakref.ref(w)
+    return w
 
 
 def unwatch(model: nn.Module) -> None:
@@ -139,7 +147,7 @@ def _refuse(where: str, what: str) -> ParameterReplacedError:
 
 
 def _on_parameter(module: nn.Module, name: str, param):
-    w = _watches.get(module)
+    w = _watch_of(module)
     if w is None and isinstance(module, ParametrizationList):
         _refuse_parametrization(param)
     if w is None:
@@ -160,7 +168,7 @@ def _on_parameter(module: nn.Module, name: str, param):
 
 
 def _on_module(module: nn.Module, name: str, child):
-    w = _watches.get(module)
+    w = _watch_of(module)
     if w is None or child is None:
         return
     new = [n for n, p in child.named_parameters(remove_duplicate=False) if not w.known(p)]
@@ -169,7 +177,7 @@ def _on_module(module: nn.Module, name: str, child):
                                                f"hold ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''})")
     prefix = _where(w, module, name)
     for n, m in child.named_modules():
-        _watches[m] = w
+        _watches[m] = weakref.ref(w)
         w.names.setdefault(m, f"{prefix}.{n}" if n else prefix)
         w.add_homes(m)
 
@@ -178,7 +186,7 @@ def _refuse_parametrization(param) -> None:
     """A ParametrizationList (not yet in any model) takes `param`: refused where a watched model
     holds it, outside the forwards of its modules (module docstring)."""
     running = _modules_running()
-    for w in set(_watches.values()):
+    for w in list(_every_watch):
         if any(m in w.names for m in running):
             if id(param) in w.held:  # torch set it to itself first (parametrize's _maybe_set)
                 w.set_to_itself(param)
