@@ -458,6 +458,28 @@ def test_a_model_whose_engine_is_gone_trains_as_plain_torch(stage):
     assert max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters())) <= 1e-6
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_gradient_the_engine_did_not_see_raises_at_the_step(stage):
+    """A parameter frozen at initialize, unfrozen, then given a gradient through a submodule called
+    by itself (the engine follows unfreezing when the model is called): the step changed nothing,
+    silently. Now EngineCallError, the .grad cleared; so does a .grad set by hand with no backward."""
+    model = Net()
+    model.inp.requires_grad_(False)
+    engine = wrap(model, stage)
+    model.inp.requires_grad_(True)
+    x = torch.randn(3, 4)
+    before = snapshot(engine)
+    model.inp(x).pow(2).mean().backward()
+    with pytest.raises(zeroshard.EngineCallError, match=r"inp.weight \(2 parameters\) was frozen at initialize and "
+                                                        "unfrozen since"):
+        engine.step()
+    assert all(p.grad is None for p in engine.params)
+    model.out.weight.grad = torch.ones(2, 8)
+    with pytest.raises(zeroshard.EngineCallError, match=r"out.weight \(1 parameters\) has a .grad set by hand"):
+        engine.step()
+    assert_same_values(before, snapshot(engine))
+
+
 class _FusedHead(torch.autograd.Function):
     """A fused kernel's shape: given the head's weight in the root's forward, outside the head's."""
 

@@ -366,7 +366,7 @@ class Engine(EngineIO):
         NonFiniteError instead)."""
         self._expect_idle("step()")
         if not self.grads_pending:  # no backward since the last step: torch changes no parameter without a .grad
-            return refuse_grads_set_by_hand(self.params, self.names)
+            return refuse_grads_set_by_hand(self.params, self.names, self._unhooked)
         if self.micro_steps % self.zeroshard_config.gradient_accumulation_steps:
             return False
         # A rank a micro-batch or a step apart raises at the step's first collective (stage 0 without

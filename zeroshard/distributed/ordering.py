@@ -124,7 +124,9 @@ def peer_lost(e: BaseException, what, timeout_s: float) -> PeerLostError | None:
     if any(s in text for s in _TIMED_OUT):
         return CollectiveTimeoutError(
             f"zeroshard: waited {timeout_s:g} s (config collective_timeout_s) for the other ranks to "
-            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind")
+            f"{what() if callable(what) else what}: one of them is stopped, hung or far behind, or did not make "
+            "the call that needs this (at stage 3 whatever reads the parameters outside a forward gathers them: "
+            "model.state_dict(), save_pretrained(), generate() run on every rank)")
     if any(s in text for s in _GONE):
         said = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         said = said.split("] ", 1)[-1].split(". This is typically")[0][:160]  # without gloo's location and advice

@@ -89,14 +89,25 @@ def _refuse_foreign_step(opt, args, kwargs) -> None:
                     "an engine of its own")
 
 
-def refuse_grads_set_by_hand(params: list, names: dict[int, str]) -> bool:
+def refuse_grads_set_by_hand(params: list, names: dict[int, str], unhooked: list) -> bool:
     """EngineCallError for a step with no backward since the last one where one of `params` (the
     real parameters: stage 3's placeholders hand a .grad set on them to theirs; `names`: id ->
     name) holds a .grad: one assigned by hand (`p.grad = g` from torch.autograd.grad), which torch's
     step would apply, where zeroshard's takes gradients from backward into its chunks only and would
-    change nothing, silently. The same loop runs on every rank, so every rank raises. Else False:
+    change nothing, silently; or one of `unhooked` (frozen at initialize, its gradient hook not yet
+    placed) unfrozen and given a gradient by a backward through a submodule called by itself, which
+    the engine does not see. The same loop runs on every rank, so every rank raises. Else False:
     the step applies nothing, as torch's changes no parameter without a .grad."""
     named = [names[id(p)] for p in params if p.grad is not None]
+    late = [names[id(p)] for p in unhooked if p.requires_grad and p.grad is not None]
+    if late:
+        for p in params:
+            p.grad = None
+        raise EngineCallError(
+            f"zeroshard: {late[0]} ({len(late)} parameters) was frozen at initialize and unfrozen since, and a "
+            "backward through a submodule called by itself gave it a gradient the engine did not see: the engine "
+            "follows unfreezing when the wrapped model (or the engine) is called. Call the model itself after "
+            "unfreezing (those .grad are cleared)")
     if named:
         for p in params:  # a later backward would add its gradients to them
             p.grad = None
