@@ -80,6 +80,11 @@ def test_a_parametrization_after_initialize_raises_and_changes_nothing(stage):
     assert max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items()) <= 1e-6
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
 def _with(edit):
     def make():
         net = Net()
@@ -96,6 +101,19 @@ _RENAMES = {  # name: (applied before initialize, applied after it, what the ref
     "weight_norm": (None, torch.nn.utils.weight_norm, r"inp.weight_g = a new parameter of shape \(8, 1\)"),
     "remove_weight_norm": (torch.nn.utils.weight_norm, torch.nn.utils.remove_weight_norm,
                            r"inp.weight = a new parameter of shape \(8, 4\)"),
+    # torch.nn.utils.parametrize: weight_norm's two new tensors left the module without `weight`
+    # (stages 0-2: a raw KeyError at the next forward; stage 3: a raw RuntimeError), and removing
+    # a parametrization made before initialize raised a raw AttributeError
+    "parametrizations.weight_norm": (None, torch.nn.utils.parametrizations.weight_norm,
+                                     "a parametrization registered on inp.weight after initialize"),
+    "remove_parametrizations": (torch.nn.utils.parametrizations.weight_norm,
+                                lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight"),
+                                "remove_parametrizations of 'weight' after initialize"),
+    "remove_parametrizations_no_bias": (
+        lambda m: (m.register_parameter("bias", None), torch.nn.utils.parametrize.register_parametrization(
+            m, "weight", _Doubled())),
+        lambda m: torch.nn.utils.parametrize.remove_parametrizations(m, "weight", leave_parametrized=False),
+        "remove_parametrizations of 'weight' after initialize"),
 }
 
 
@@ -115,10 +133,11 @@ def test_a_held_parameter_renamed_after_initialize_raises_and_changes_nothing(st
     x = torch.randn(3, 4)
     train_once(engine, x)
     train_plain(ref, opt, x)
-    before = dict(model.inp._parameters)
+    before, cls = dict(model.inp._parameters), type(model.inp)
     with pytest.raises(zeroshard.ParameterReplacedError, match=named):
         after_init(model.inp)
     assert model.inp._parameters.keys() == before.keys() and all(model.inp._parameters[n] is p for n, p in before.items())
+    assert type(model.inp) is cls
     for _ in range(2):
         train_once(engine, x)
         train_plain(ref, opt, x)

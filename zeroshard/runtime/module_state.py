@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.nn.utils.parametrize import is_parametrized
 
-from ..errors import EngineCallError, ModuleCopyError, ModuleMovedError
+from ..errors import EngineCallError, ModuleCopyError, ModuleMovedError, ParameterReplacedError
 from .chunks import ChunkState
 from .hooks import Stage3Hooks
 from ..units import direct_params
@@ -109,12 +110,33 @@ def _takes_synced_gpus(cls: type) -> bool:
     return callable(method) and "synced_gpus" in inspect.signature(method).parameters
 
 
-def _make_subclass(cls: type) -> type:
+def _refusing_removal(meta: type) -> type:
+    """`meta`, whose classes refuse the deletion of a property they inherit: torch's
+    remove_parametrizations deletes the parametrized class's property of the tensor, then moves the
+    parameter zeroshard holds under `parametrizations.<name>.original` back to `<name>`, where the
+    chunks' names, state dicts and stage 3's entries do not follow. On a module whose class is the
+    zeroshard subclass of a parametrized class (parametrized before initialize) torch's deletion
+    would fail on a raw AttributeError; this says why first. With leave_parametrized=True torch set
+    the parameter to the computed value before (the next forward puts it back on its chunk)."""
+    class RefusingRemoval(meta):
+        def __delattr__(cls, name):
+            if name not in vars(cls) and isinstance(getattr(cls, name, None), property):
+                raise ParameterReplacedError(
+                    f"zeroshard: remove_parametrizations of {name!r} after initialize would move the parameter "
+                    f"zeroshard holds (as parametrizations.{name}.original) back to {name!r}, where the chunks, "
+                    "state dicts and stage 3's entries do not follow. Remove parametrizations before "
+                    "zeroshard.initialize, or keep them (they train as they are)")
+            super().__delattr__(name)
+    return RefusingRemoval
+
+
+def _make_subclass(cls: type, parametrized: bool) -> type:
     """The user's class with zero_grad, _apply (and generate, if it takes synced_gpus) overridden,
     as torch's fully_shard swaps classes: each override reads the instance's _ModuleState and, where
-    it holds nothing for that method, is the user's method."""
+    it holds nothing for that method, is the user's method. `parametrized`: cls is the class torch's
+    parametrize made for one module (_refusing_removal)."""
 
-    class ZeroShardModule(cls):
+    class ZeroShardModule(cls, metaclass=_refusing_removal(type(cls)) if parametrized else type(cls)):
         # Same name, qualname, module and doc as the user's class: the HF Trainer, peft and Lightning
         # decide by type(model).__name__, save_pretrained writes it into config.json's architectures,
         # and repr() shows it. The class object is new all the same: pickle, which stores a class by
@@ -173,7 +195,7 @@ def _state(module: nn.Module) -> _ModuleState:
     if cls not in _originals:
         sub = _subclasses.get(cls)
         if sub is None:
-            sub = _subclasses[cls] = _make_subclass(cls)
+            sub = _subclasses[cls] = _make_subclass(cls, is_parametrized(module))
             _originals[sub] = cls
         module.__class__ = sub
     state = vars(module).get(_STATE)
@@ -274,5 +296,5 @@ def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:
     ModuleMovedError is raised (a move to where the parameters already are changes nothing and
     passes)."""
     for m in model.modules():
-        if direct_params(m):
+        if direct_params(m) or is_parametrized(m):  # the latter for _refusing_removal
             _state(m).chunks = chunks

@@ -10,10 +10,12 @@ forward, reading or writing it, except through `.data`: hooks.py's docstring).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..errors import ModuleMovedError, ShardedParameterError
+from ..errors import ModuleMovedError, ParameterReplacedError, ShardedParameterError
 
 _METADATA = {
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
@@ -27,6 +29,7 @@ _METADATA = {
 _REQUIRES_GRAD = {torch.Tensor.requires_grad_, torch.Tensor.requires_grad.__set__}
 
 
+_NEW_PARAMETER = torch.nn.Parameter.__new__.__code__  # which detaches a tensor subclass it is given
 _CASTS = {torch.Tensor.to: None, torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
           torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64, torch.Tensor.cpu: None}
 
@@ -105,6 +108,12 @@ class ShardedPlaceholder(torch.Tensor):
                 ".half ..., or its .data replaced): the engine owns where parameters live and in which dtype. Move "
                 "the model before initialize, choose the dtype with the config's precision, write values inside "
                 "`with engine.full_parameters():`; the parameter is as it was")
+        if func is torch.Tensor.detach and sys._getframe(1).f_code is _NEW_PARAMETER:
+            raise ParameterReplacedError(
+                f"zeroshard stage 3: nn.Parameter(...) made from {args[0]._zs_name} after initialize (a "
+                "parametrization such as torch.nn.utils.parametrizations.weight_norm registered now, a new head "
+                "from an existing weight): a new parameter zeroshard would not hold. Make such changes before "
+                "zeroshard.initialize; the model is as it was")
         if func is torch.autograd.backward and _placeholders_in_inputs_only(args, kwargs or {}):
             # backward(inputs=[...]): autograd's leaf is the real parameter, save where a custom
             # Function was given the placeholder itself (Note: gradients past the placeholder)

@@ -37,7 +37,7 @@ import sys
 import weakref
 
 import torch.nn as nn
-from torch.nn.utils.parametrize import ParametrizationList
+from torch.nn.utils.parametrize import ParametrizationList, register_parametrization
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 
 from ..errors import ParameterReplacedError
@@ -191,14 +191,26 @@ def _refuse_parametrization(param) -> None:
             if id(param) in w.held:  # torch set it to itself first (parametrize's _maybe_set)
                 w.set_to_itself(param)
             continue
+        target = _parametrizing()  # a parametrization of several tensors (weight_norm) takes new ones
         for m, prefix in list(w.names.items()):
-            name = next((n for n, p in m._parameters.items() if p is param), None)
+            name = target[1] if target is not None and target[0] is m and target[1] in m._parameters else \
+                next((n for n, p in m._parameters.items() if p is param), None)
             if name is not None:
                 where = f"{prefix}.{name}" if prefix else name
                 raise ParameterReplacedError(
                     f"zeroshard: a parametrization registered on {where} after initialize: it would move the "
                     "parameter zeroshard holds under another name (the chunks, state dicts and stage 3's entries "
                     "keep the old one). Register parametrizations before zeroshard.initialize")
+
+
+def _parametrizing() -> tuple[nn.Module, str] | None:
+    """The module and tensor name of the register_parametrization call on this thread's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is register_parametrization.__code__:
+            return frame.f_locals.get("module"), frame.f_locals.get("tensor_name")
+        frame = frame.f_back
+    return None
 
 
 def _modules_running() -> list[nn.Module]:
