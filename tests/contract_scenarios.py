@@ -346,11 +346,11 @@ class _RenormedEmbedding(torch.nn.Module):
 
 
 def forward_writes(rank, world, stage):
-    """A module that writes into its weight inside its forward (max_norm): above a world size of 1,
-    and at stage 3, initialize raises UnsupportedModelError on every rank and leaves the model as
-    it was (each rank would keep only its own batch's renormalized rows, or stage 3 would drop
-    them with the gathered chunk: a model plain PyTorch does not train). At a world size of 1,
-    stages 0-2 train what torch trains."""
+    """A module that writes into its weight inside its forward (max_norm): above a world size of 1
+    initialize raises UnsupportedModelError on every rank and leaves the model as it was (each rank
+    would keep only its own batch's renormalized rows: a model plain PyTorch does not train). At a
+    world size of 1 every stage trains what torch trains (stage 3 was refused: it dropped the rows
+    with the gathered chunk before writes in a forward were kept)."""
     g = torch.Generator().manual_seed(10)
     xs, ys = torch.randint(0, 20, (3, world, 4, 5), generator=g), torch.randn(3, world, 4, 4, generator=g)
     model = _RenormedEmbedding()

@@ -234,20 +234,17 @@ def refuse_forward_writes(module: nn.Module, stage: int, world: int) -> None:
     nn.EmbeddingBag built with max_norm renormalizes, in place, the rows its batch looks up. Each
     rank's batch looks up other rows, so at a world size above 1 each rank's weight would take only
     its own batch's renormalized rows (DDP's replicas drift apart the same way), where plain
-    PyTorch on the global batch renormalizes every row any rank looked up; at stage 3 the rows are
-    written into the gathered copy of the chunk, which is dropped at its release. At a world size of
-    1, stages 0-2 keep the write, as torch does. The same model and config on every rank: every
-    rank raises."""
-    if world == 1 and stage < 3:
+    PyTorch on the global batch renormalizes every row any rank looked up. At a world size of 1
+    every stage keeps the write, as torch does (stage 3 keeps a write in a forward in the shard,
+    runtime/param_writes.py). The same model and config on every rank: every rank raises."""
+    if world == 1:
         return
     found = [f"{name!r} ({type(m).__name__}(max_norm={m.max_norm}))" for name, m in module.named_modules()
              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
     if found:
-        where = "at stage 3" if world == 1 else f"across {world} ranks"
         raise UnsupportedModelError(
             f"zeroshard cannot train {', '.join(found[:4])}{f' and {len(found) - 4} more' if len(found) > 4 else ''} "
-            f"{where}: max_norm renormalizes the rows each rank's batch looks up, in place inside the forward, "
-            "which zeroshard would keep on that rank only, or lose with the gathered chunk at stage 3. Build it "
-            "with max_norm=None and renormalize between steps instead, the same rows on every rank (under "
-            "torch.no_grad(): a write between steps lasts at stages 0-2), or train at a world size of 1 at "
-            "stages 0-2")
+            f"across {world} ranks: max_norm renormalizes the rows each rank's batch looks up, in place inside the "
+            "forward, which would last on that rank only. Build it with max_norm=None and renormalize between "
+            "steps instead, the same rows on every rank (under torch.no_grad(): a write between steps lasts), or "
+            "train at a world size of 1")
