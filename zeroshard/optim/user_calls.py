@@ -99,24 +99,20 @@ def refuse_grads_set_by_hand(params: list, names: dict[int, str], unhooked: list
     the engine does not see. The same loop runs on every rank, so every rank raises. Else False:
     the step applies nothing, as torch's changes no parameter without a .grad."""
     named = [names[id(p)] for p in params if p.grad is not None]
+    if not named:
+        return False
     late = [names[id(p)] for p in unhooked if p.requires_grad and p.grad is not None]
-    if late:
-        for p in params:
-            p.grad = None
-        raise EngineCallError(
-            f"zeroshard: {late[0]} ({len(late)} parameters) was frozen at initialize and unfrozen since, and a "
-            "backward through a submodule called by itself gave it a gradient the engine did not see: the engine "
-            "follows unfreezing when the wrapped model (or the engine) is called. Call the model itself after "
-            "unfreezing (those .grad are cleared)")
-    if named:
-        for p in params:  # a later backward would add its gradients to them
-            p.grad = None
-        raise EngineCallError(
-            f"zeroshard: {named[0]} ({len(named)} parameters) has a .grad set by hand and no backward came before "
-            "this step: zeroshard takes gradients from backward (loss.backward(), engine.backward(loss)) into its "
-            "chunks, never from .grad (those set are cleared). Compute the loss whose gradient you want and call "
-            "backward on it")
-    return False
+    for p in params:  # a later backward would add its gradients to them
+        p.grad = None
+    raise EngineCallError(
+        f"zeroshard: {late[0]} ({len(late)} parameters) was frozen at initialize and unfrozen since, and a "
+        "backward through a submodule called by itself gave it a gradient the engine did not see: the engine "
+        "follows unfreezing when the wrapped model (or the engine) is called. Call the model itself after "
+        "unfreezing (those .grad are cleared)" if late else
+        f"zeroshard: {named[0]} ({len(named)} parameters) has a .grad set by hand and no backward came before "
+        "this step: zeroshard takes gradients from backward (loss.backward(), engine.backward(loss)) into its "
+        "chunks, never from .grad (those set are cleared). Compute the loss whose gradient you want and call "
+        "backward on it")
 
 
 def refuse_clip_call(given: list, owned: set[int], trained: list, pieces: list, norm_type, *, delayed: bool,

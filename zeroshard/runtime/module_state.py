@@ -110,6 +110,7 @@ def _takes_synced_gpus(cls: type) -> bool:
     return callable(method) and "synced_gpus" in inspect.signature(method).parameters
 
 
+@functools.cache  # one per metaclass, not per parametrized module
 def _refusing_removal(meta: type) -> type:
     """`meta`, whose classes refuse the deletion of a property they inherit: torch's
     remove_parametrizations deletes the parametrized class's property of the tensor, then moves the

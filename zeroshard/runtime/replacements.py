@@ -96,6 +96,8 @@ _every_watch: weakref.WeakSet[_Watch] = weakref.WeakSet()
 def _watch_of(module: nn.Module) -> _Watch | None:
     ref = _watches.get(module)
     return None if ref is None else ref()
+
+
 _installed = False
 
 
@@ -186,12 +188,12 @@ def _refuse_parametrization(param) -> None:
     """A ParametrizationList (not yet in any model) takes `param`: refused where a watched model
     holds it, outside the forwards of its modules (module docstring)."""
     running = _modules_running()
+    target = _parametrizing()  # a parametrization of several tensors (weight_norm) takes new ones
     for w in list(_every_watch):
         if any(m in w.names for m in running):
             if id(param) in w.held:  # torch set it to itself first (parametrize's _maybe_set)
                 w.set_to_itself(param)
             continue
-        target = _parametrizing()  # a parametrization of several tensors (weight_norm) takes new ones
         for m, prefix in list(w.names.items()):
             name = target[1] if target is not None and target[0] is m and target[1] in m._parameters else \
                 next((n for n, p in m._parameters.items() if p is param), None)
