@@ -86,13 +86,21 @@ def record(rank: int, out_path: str, calls, traceback_limit: int = -4) -> None:
     turn, recording what it returned, or the error it raised ({"error", "traceback"}: the test of
     that name decides); rank 0 writes {name: result} to `out_path` as JSON."""
     import json
+    import time
     import traceback
-    results = {}
+    results, seconds = {}, {}
     for name, fn in (calls.items() if isinstance(calls, dict) else calls):
+        start = time.perf_counter()
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001 -- recorded; the test for this scenario decides
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=traceback_limit)}
+        seconds[name] = time.perf_counter() - start
+    times = os.environ.get("ZEROSHARD_SCENARIO_SECONDS")
+    if rank == 0 and times:  # where CI's time goes: each scenario's seconds, per world
+        with open(times, "a") as f:
+            f.writelines(f"{seconds[n]:8.2f} world{int(os.environ.get('WORLD_SIZE', 1))} {out_path} {n}\n"
+                         for n in seconds)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, default=str)

@@ -1,19 +1,29 @@
 """Architectures beyond GPT-2 and Llama (tests/architecture_scenarios.py), at worlds 2 and 3 (uneven
 shards): fp32 SGD with momentum within 1e-5 of single-process PyTorch on the global batch, at every
 stage, with offload="auto", at stage 3 with layers split across chunks through a 2-chunk rCache,
-and compiled (config compile) at stages 2 and 3 with layers split across chunks, with no graph
-break; greedy generation by the stage-3 engines with small chunks, eager and compiled, gives the
-plain model's tokens."""
+and compiled (config compile) with layers split across chunks, with no graph break: stage 2 at
+world 2, stage 3 at world 3; greedy generation by the stage-3 engines with small chunks, eager and
+compiled, gives the plain model's tokens."""
 import pytest
 
 pytest.importorskip("transformers")
 
-from architecture_scenarios import ARCHITECTURES, CONFIGS, GENERATING, architectures  # noqa: E402
+from architecture_scenarios import ARCHITECTURES, CONFIGS, GENERATING, architectures, configs_at  # noqa: E402
 from distributed import ok  # noqa: E402
 from models import TOL  # noqa: E402
 
 RESULTS = ARCHITECTURES  # read by the `res` fixture (conftest.py)
 GENERATIVE = [name for name, (_, _, generates) in architectures().items() if generates]
+
+
+def _at(labels):
+    """(world, configuration) pairs, for the configurations among `labels` each world trains."""
+    return [pytest.param(w, c, id=f"world{w}-{c}") for w in ARCHITECTURES.worlds for c in configs_at(w) if c in labels]
+
+
+@pytest.fixture
+def results_at(tmp_path_factory):
+    return lambda world: ARCHITECTURES.get(world, tmp_path_factory)
 
 
 def _available(results, name):
@@ -23,28 +33,28 @@ def _available(results, name):
     return got
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("world,config", _at(CONFIGS))
 @pytest.mark.parametrize("name", list(architectures()))
-def test_an_architecture_trains_as_plain_pytorch(res, name, config):
-    got = _available(res[0], name)
+def test_an_architecture_trains_as_plain_pytorch(results_at, name, world, config):
+    got = _available(results_at(world), name)
     assert got["diff"][config] <= TOL["sgd"], (name, config, got["diff"])
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if CONFIGS[c].get("compile")])
+@pytest.mark.parametrize("world,config", _at([c for c in CONFIGS if CONFIGS[c].get("compile")]))
 @pytest.mark.parametrize("name", list(architectures()))
-def test_a_compiled_architecture_has_no_graph_break(res, name, config):
+def test_a_compiled_architecture_has_no_graph_break(results_at, name, world, config):
     """It was compiled (a graph at least), and none of these models breaks a graph of its own
     (peft's parametrized experts do: not here), so any break would be zeroshard's: none at stage 2,
     whose compiled blocks wait for their chunks in their hooks, nor at stage 3, whose leaf units
     gather around their compiled forwards."""
-    got = _available(res[0], name)
+    got = _available(results_at(world), name)
     assert got["breaks"][config] == 0 and got["graphs"][config] >= 1, (name, config, got["breaks"], got["graphs"])
 
 
-@pytest.mark.parametrize("config", GENERATING)
+@pytest.mark.parametrize("world,config", _at(GENERATING))
 @pytest.mark.parametrize("name", GENERATIVE)
-def test_generation_at_stage_3_gives_the_plain_models_tokens(res, name, config):
-    got = _available(res[0], name)
+def test_generation_at_stage_3_gives_the_plain_models_tokens(results_at, name, world, config):
+    got = _available(results_at(world), name)
     assert got["same_tokens"][config], (name, config)
 
 
