@@ -325,3 +325,35 @@ def test_a_parameter_dict_read_by_its_parents_forward_under_checkpointing(stage)
         engine.step()
     got = engine.full_state_dict()
     assert max((got[k] - v).abs().max().item() for k, v in ref.state_dict().items()) <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_initialize_over_a_wrapped_model_raises_before_anything_changes(stage):
+    """initialize over a model an engine still wraps (a notebook cell `engine = zeroshard.initialize(model,
+    ...)` run again holds the first engine until the call returns) raised ModuleMovedError at the
+    second engine's first forward (stages 0-2: the first engine's hooks found the parameters
+    repacked), or at stage 3 as the second packed the first's placeholders. Now EngineCallError at
+    the call, the first engine training on as before; once it is dropped, stages 0-2 wrap again,
+    and stage 3's shards, which no new engine can read, are named."""
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    first, opt = wrap(model, stage), sgd(ref.parameters())
+    x = torch.randn(3, 4)
+    with pytest.raises(zeroshard.EngineCallError, match="another engine still wraps"):
+        wrap(model, stage)
+    inner = Net()
+    inner_engine = wrap(inner.inp, stage)
+    with pytest.raises(zeroshard.EngineCallError, match="another engine still wraps"):  # on a submodule
+        wrap(inner, stage)
+    del inner_engine
+    assert train_once(first, x) is True
+    ref(x).pow(2).mean().backward()
+    opt.step()
+    got = first.full_state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items()) <= 1e-6
+    del first
+    if stage == 3:
+        with pytest.raises(zeroshard.EngineCallError, match="wrapped at stage 3.*full_state_dict"):
+            wrap(model, stage)
+    else:
+        assert train_once(wrap(model, stage), x) is True

@@ -33,8 +33,8 @@ from .runtime.layout import ChunkLayout, list_parameters, resolve_state
 from .runtime.materialize import InitialValues
 from .runtime.placeholder import catch_gradients
 from .runtime.grad_readers import GradReaders, guard_grad_readers
-from .runtime.module_state import StateDictLoading, guard_moves, route_zero_grad, sync_generation
-from .runtime.replacements import unwatch, watch
+from .runtime.module_state import StateDictLoading, guard_moves, rebind, route_zero_grad, sync_generation
+from .runtime.replacements import refuse_rewrap, unwatch, watch
 from .runtime.offload import Placement, Transfer
 from .runtime.partitioned_activations import PartitionedActivations
 from .runtime.precision import InputCasts, cast_buffers
@@ -61,7 +61,8 @@ class World:
 
 def join_world(module: nn.Module, config: Config, device: torch.device | None) -> World:
     """The device, the process group, tensor parallelism and the Comms over them."""
-    unwatch(module)  # an earlier engine's watch: this one may replace parameters (TP, materialize)
+    refuse_rewrap(module)  # before anything changes
+    unwatch(module)  # a dropped engine's watch: this one may replace parameters (TP, materialize)
     device = device or default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -277,7 +278,8 @@ def install_hooks(module: nn.Module, config: Config, world: World, model: Model,
     sync_generation(module, on=(stage == 3 and world.shards.world > 1) or world.tp is not None)
     guard_moves(module, lambda: layout.chunks)
     writes = hooks.writes if hooks is not None else parts.optim.user_writes
-    watched = watch(module, model.params, set_to_itself=writes.seen)  # a parametrization's bump is no write
+    watched = watch(module, model.params, set_to_itself=writes.seen,  # a parametrization's bump is no write
+                    rebind=lambda: rebind(layout.chunks))
     grad_readers = guard_grad_readers(on.owned, on.clip_grad_norm)
     loading = StateDictLoading(module, hooks.direct_real if hooks else direct_params, lambda: layout.slot_of, hooks,
                                on.before_load)

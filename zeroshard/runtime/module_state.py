@@ -278,15 +278,20 @@ def check_not_moved(chunks: list) -> None:
             base, size, ptr = c.full.data_ptr(), c.full.element_size(), torch.Tensor.data_ptr
             moved += [s.name for s in c.slots if s.numel and ptr(local(s.param)) != base + s.offset * size]
     if moved:
-        for c in chunks:
-            if c.state is ChunkState.GATHERED:
-                c.bind_params()
+        rebind(chunks)
         raise ModuleMovedError(
             f"zeroshard: {moved[0]} ({len(moved)} parameters) was moved, cast or given new data after "
             "zeroshard.initialize (model.to / .cuda / .half, param.data = ..., resize_token_embeddings): the "
             "engine owns where parameters live and in which dtype. Move or resize the model before initialize, "
             "choose the dtype with the config's precision, write values in place (copy_ under no_grad); the "
             "parameters are back on their chunks (buffers may have moved)")
+
+
+def rebind(chunks: list) -> None:
+    """Point every parameter of a gathered chunk back at its view of it (those given new data)."""
+    for c in chunks:
+        if c.state is ChunkState.GATHERED:
+            c.bind_params()
 
 
 def guard_moves(model: nn.Module, chunks: Callable[[], list]) -> None:

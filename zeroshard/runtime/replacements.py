@@ -7,8 +7,15 @@ trained by nothing: the optimizer steps the chunks, and at stages 0-2 the new te
 would not even be reduced across ranks. torch's global registration hooks see every such
 assignment into any module; for one of a watched model's modules that brings parameters zeroshard
 does not hold, ParameterReplacedError is raised before the assignment lands, on the line that made
-it. Assigning the parameters it already holds (tying weights, moving a submodule), a placeholder of
-stage 3, None, or a module without parameters passes; the module then joins the watch.
+it. Assigning a parameter where the module held it already (tie_weights() over weights tied at
+initialize), a submodule holding held parameters (moving it), None, or a module without parameters
+passes; the module then joins the watch. A held parameter, or a module of held ones, assigned where
+that leaves a parameter the model held nowhere in it (`q.weight = p.weight`, `model.b = model.a`: a
+tie of two the model held apart) is refused too: the forward would train the tie, but the replaced
+parameter would stay in the chunks, the state dicts and checkpoints as it was. Pointing a name at
+another parameter the model still holds elsewhere (a forward choosing among several) passes;
+full_state_dict gives the name what it holds then. Stage 3's placeholders count as the parameters
+they stand for.
 
 A parametrization registered after initialize (torch.nn.utils.parametrize) moves a held parameter
 to `<module>.parametrizations.<name>.original` and computes the name's value from it at each read:
@@ -24,8 +31,9 @@ spectral_norm and weight_norm move `weight` to `weight_orig` or `weight_g`/`weig
 `weight` from it at each forward; their remove_* move it back) would leave the chunks' names, the
 state dict's keys and stage 3's entries on the old name: a full_state_dict the edited model refuses,
 and at stages 0-2 the forward read a `weight` computed once from the chunk. It is refused too; a
-held parameter the edit already deleted from the module is put back first, so the module is as it
-was, save what the edit deleted besides (spectral_norm's removal drops its buffers before that).
+held parameter, or a buffer it had, that the edit already deleted from the module is put back first,
+and parameters the edit gave new data (prune.remove masks `weight_orig` in place of its chunk view)
+view their chunks again, so the module is as it was.
 
 Each model is watched from the end of initialize until a later initialize over it begins (which
 may itself assign parameters: a model built on the meta device gets real ones) or its engine is
@@ -33,27 +41,33 @@ dropped (the engine keeps the watch).
 """
 from __future__ import annotations
 
+import gc
 import sys
 import weakref
 
+import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import ParametrizationList, register_parametrization
-from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (register_module_buffer_registration_hook, register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
-from ..errors import ParameterReplacedError
-from .placeholder import ShardedPlaceholder
+from ..errors import EngineCallError, ParameterReplacedError
+from .placeholder import ShardedPlaceholder, real_parameter
 
 
 class _Watch:
     """One model's watch: the ids of the parameters its engine holds, its modules' names, and where
     each module held which of them (the real parameter and stage 3's placeholder of it alike)."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], set_to_itself):
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], set_to_itself, rebind):
         self.params = list(params)  # keeps the ids meaning these objects
         self.held = {id(p) for p in self.params}
-        self.set_to_itself = set_to_itself
+        self.set_to_itself, self.rebind = set_to_itself, rebind
+        self.root = weakref.ref(model)
         self.names = weakref.WeakKeyDictionary({m: n for n, m in model.named_modules()})
         self.homes: weakref.WeakKeyDictionary[nn.Module, dict[str, list]] = weakref.WeakKeyDictionary()
+        # each module's buffers as last registered (kept, so an edit's deletion can be undone)
+        self.buffers: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
         for m in model.modules():
             self.add_homes(m)
 
@@ -63,6 +77,7 @@ class _Watch:
     def add_homes(self, module: nn.Module) -> None:
         for name, p in module._parameters.items():
             self.add_home(module, name, p)
+        self.buffers.setdefault(module, {}).update({n: b for n, b in module._buffers.items() if b is not None})
 
     def add_home(self, module: nn.Module, name: str, p) -> None:
         refs = self.homes.setdefault(module, {}).setdefault(name, [])
@@ -77,15 +92,32 @@ class _Watch:
             return None
         return next((n for n, refs in homes.items() if any(r() is param for r in refs)), None)
 
+    def orphans(self, where: str, old: list, new: list) -> list[str]:
+        """The names of the held parameters among `old`, which `where` (a parameter's or a module's
+        name in the model) holds now, that the model would hold nowhere once `new` took its place."""
+        real = real_parameter
+        kept = {id(real(t)) for t in new}
+        root = self.root()
+        if root is not None:
+            kept.update(id(real(t)) for n, t in root.named_parameters(remove_duplicate=False)
+                        if n != where and not n.startswith(where + "."))
+        return [held_name(t) for t in old if t is not None and self.known(t) and id(real(t)) not in kept]
+
     def put_back(self, module: nn.Module) -> None:
-        """Re-register the held parameters an edit refused on `module` deleted from it already."""
+        """Re-register the held parameters and the buffers an edit refused on `module` deleted from
+        it already, and point parameters it gave new data (prune.remove) back at their chunks."""
+        def gone(name):
+            return not (name in module._parameters or name in module._buffers or name in module._modules
+                        or name in vars(module))
         for name, refs in self.homes.get(module, {}).items():
-            if name in module._parameters or name in module._buffers or name in module._modules or name in vars(module):
-                continue
             held = [t for t in (r() for r in refs) if t is not None]
             p = next((t for t in held if isinstance(t, ShardedPlaceholder)), held[0] if held else None)
-            if p is not None:
+            if gone(name) and p is not None:
                 module._parameters[name] = p
+        for name, b in self.buffers.get(module, {}).items():
+            if gone(name):
+                module._buffers[name] = b
+        self.rebind()  # the parameters of every gathered chunk: which one the edit gave new data is not known
 
 
 # Weakly: a watch lives while its engine keeps it (a model whose engine is gone trains as plain torch)
@@ -101,21 +133,51 @@ def _watch_of(module: nn.Module) -> _Watch | None:
 _installed = False
 
 
-def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda param: None) -> _Watch:
+def watch(model: nn.Module, params: list[nn.Parameter], set_to_itself=lambda param: None,
+          rebind=lambda: None) -> _Watch:
     """Refuse parameters other than `params` (the engine's; at stage 3 the module shows placeholders
     of them between forwards) assigned into `model` from now on (module docstring).
     `set_to_itself(param)`: a parametrization inside a forward set a held parameter to itself (its
-    version counter moved, its values did not: no write to keep)."""
+    version counter moved, its values did not: no write to keep). `rebind()`: point the parameters
+    back at their chunks (an edit refused had given one new data)."""
     global _installed
     if not _installed:
         register_module_parameter_registration_hook(_on_parameter)
         register_module_module_registration_hook(_on_module)
+        register_module_buffer_registration_hook(_on_buffer)
         _installed = True
-    w = _Watch(model, params, set_to_itself)
+    w = _Watch(model, params, set_to_itself, rebind)
     _every_watch.add(w)
     for m in model.modules():
         _watches[m] = weakref.ref(w)
     return w
+
+
+def refuse_rewrap(model: nn.Module) -> None:
+    """initialize over a model an engine still wraps, or one an engine wrapped at stage 3, raises
+    EngineCallError before anything changes. The first engine's hooks would go on acting on the
+    parameters the second repacks (stages 0-2: the next forward raised ModuleMovedError), and stage
+    3's placeholders are shards of the first engine's chunks, which a new engine cannot read (it
+    raised ModuleMovedError as it packed them)."""
+    sharded = any(isinstance(p, ShardedPlaceholder) for p in model.parameters())
+
+    def wrapped():
+        return any(_watch_of(m) is not None for m in model.modules())
+    if wrapped():
+        gc.collect()  # an engine dropped, but in a reference cycle
+    if wrapped():
+        raise EngineCallError(
+            "zeroshard: initialize over a model another engine still wraps (running `engine = zeroshard.initialize("
+            "model, ...)` again holds the first engine until it returns, as does a Trainer or Lightning strategy "
+            "that made it, or a saved exception's traceback): both engines would act on its parameters. "
+            + ("Its parameters are that engine's stage-3 shards: take `engine.full_state_dict()` (or save_checkpoint) "
+               "into a new model and initialize that" if sharded else
+               "Drop the first engine (`del engine`) before initializing again") + "; the model is unchanged")
+    if sharded:
+        raise EngineCallError(
+            "zeroshard: initialize over a model an earlier engine wrapped at stage 3: its parameters are that "
+            "engine's shards, which a new engine cannot read. Build a new model from the first engine's "
+            "`full_state_dict()` (or a checkpoint) and initialize that")
 
 
 def unwatch(model: nn.Module) -> None:
@@ -166,7 +228,25 @@ def _on_parameter(module: nn.Module, name: str, param):
             "and compute the old one from it at each forward): zeroshard's chunks, state dicts and stage 3's "
             "entries keep the name it had at initialize. Apply them before zeroshard.initialize; the module's "
             "parameters are as they were")
+    where = _where(w, module, name)
+    lost = w.orphans(where, [module._parameters.get(name)], [param]) if name in module._parameters else []
+    if lost:
+        raise _orphaning(where, held_name(param), lost)
     w.add_home(module, name, param)
+
+
+def _orphaning(where: str, what: str, lost: list[str]) -> ParameterReplacedError:
+    return ParameterReplacedError(
+        f"zeroshard: {where} = {what} after initialize leaves {', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''} "
+        "out of the model (a tie of two parameters, or modules, the model held apart then): the forward would "
+        "train the tie, but zeroshard's chunks, state dicts and checkpoints would keep the parameter replaced, "
+        "as it was. Tie them before zeroshard.initialize")
+
+
+def _on_buffer(module: nn.Module, name: str, buffer):
+    w = _watch_of(module)
+    if w is not None and buffer is not None:
+        w.buffers.setdefault(module, {})[name] = buffer
 
 
 def _on_module(module: nn.Module, name: str, child):
@@ -178,6 +258,10 @@ def _on_module(module: nn.Module, name: str, child):
         raise _refuse(_where(w, module, name), f"a {type(child).__name__} holding parameters zeroshard does not "
                                                f"hold ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''})")
     prefix = _where(w, module, name)
+    replaced = module._modules.get(name)
+    lost = w.orphans(prefix, list(replaced.parameters()), list(child.parameters())) if replaced is not None else []
+    if lost:
+        raise _orphaning(prefix, w.names.get(child, f"a {type(child).__name__}"), lost)
     for n, m in child.named_modules():
         _watches[m] = weakref.ref(w)
         w.names.setdefault(m, f"{prefix}.{n}" if n else prefix)

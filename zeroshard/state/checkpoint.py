@@ -36,6 +36,7 @@ from ..files.checkpoint_dirs import (LATEST, META, SUMS, VERSION, commit, fsync_
 from ..files.checkpoint_files import (EXTRA, FORMAT, LazyPiece, Piece, SafeWriter, SavePlanner, cause_line, digest,
                                       failure)
 from ..errors import CheckpointError
+from ..runtime.placeholder import real_parameter
 from ..distributed.ordering import CHECKPOINT
 from .view import TrainingState
 
@@ -275,7 +276,20 @@ def full_state_dict(view: TrainingState, rank0_only: bool = False) -> dict[str, 
     if not keep:
         return {}
     return {key: full[id(obj)] if id(obj) in full else view.module.get_buffer(key).detach().cpu().clone()
-            for key, obj in view.state_keys}
+            for key, obj in ((key, _held_now(view.module, key, obj, full)) for key, obj in view.state_keys)}
+
+
+def _held_now(module, key: str, obj, full: dict):
+    """The parameter `key` names now, where it is another held one than at initialize (a forward
+    that points `lin.weight` at one of several parameters the model holds): its value, not the
+    first one's, is what the model's own state_dict() would give under `key`."""
+    prefix, _, name = key.rpartition(".")
+    try:
+        now = (module.get_submodule(prefix) if prefix else module)._parameters.get(name)
+    except AttributeError:  # a module deleted since: what it held at initialize
+        return obj
+    now = real_parameter(now) if now is not None else None
+    return now if now is not None and id(now) in full else obj
 
 
 def save(view: TrainingState, root, tag: str | None = None, client_state: dict | None = None, keep: int | None = None,
