@@ -357,3 +357,31 @@ def test_initialize_over_a_wrapped_model_raises_before_anything_changes(stage):
             wrap(model, stage)
     else:
         assert train_once(wrap(model, stage), x) is True
+
+
+class _Scaled(Net):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))  # 0-d, as CLIP's logit_scale
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_one_element_value_loads_into_a_0_d_parameter_as_in_torch(stage):
+    """torch loads a value of shape [1] into a 0-d parameter (a rule for old files); stage 3
+    reported all keys matched and kept the old value, silently (then 1.7 off torch after 2 steps)."""
+    model, ref = _Scaled(), _Scaled()
+    ref.load_state_dict(model.state_dict())
+    engine, opt = wrap(model, stage), sgd(ref.parameters())
+    sd = {**ref.state_dict(), "scale": torch.tensor([5.0])}
+    assert str(model.load_state_dict(sd)) == str(ref.load_state_dict(sd))
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert train_once(engine, x) is True
+        ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    got = engine.full_state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in ref.state_dict().items()) <= 1e-6

@@ -76,6 +76,8 @@ class StateDictLoading:
                 # torch's own copy then meets what it copies into: the module's DTensor, or at
                 # stage 3 a placeholder of the local shape (load_state_dict copied the dict first)
                 state_dict[prefix + name] = value if self.hooks is not None else as_dtensor(p, value)
+            if torch.is_tensor(value) and len(s.shape) == 0 and value.dim() == 1:
+                value = value[0]  # torch's own rule for a 0-d parameter (an old format's 1-element tensors)
             if torch.is_tensor(value) and value.shape == s.shape:  # torch itself reports what is not
                 _write(c, s, value)
         if self.hooks is not None:

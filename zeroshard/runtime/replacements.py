@@ -97,11 +97,12 @@ class _Watch:
         name in the model) holds now, that the model would hold nowhere once `new` took its place."""
         real = real_parameter
         kept = {id(real(t)) for t in new}
+        replaced = [t for t in old if t is not None and self.known(t) and id(real(t)) not in kept]
         root = self.root()
-        if root is not None:
+        if replaced and root is not None:  # the walk only where a held parameter is replaced by another
             kept.update(id(real(t)) for n, t in root.named_parameters(remove_duplicate=False)
                         if n != where and not n.startswith(where + "."))
-        return [held_name(t) for t in old if t is not None and self.known(t) and id(real(t)) not in kept]
+        return [held_name(t) for t in replaced if id(real(t)) not in kept]
 
     def put_back(self, module: nn.Module) -> None:
         """Re-register the held parameters and the buffers an edit refused on `module` deleted from
