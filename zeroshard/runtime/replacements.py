@@ -95,14 +95,13 @@ class _Watch:
     def orphans(self, where: str, old: list, new: list) -> list[str]:
         """The names of the held parameters among `old`, which `where` (a parameter's or a module's
         name in the model) holds now, that the model would hold nowhere once `new` took its place."""
-        real = real_parameter
-        kept = {id(real(t)) for t in new}
-        replaced = [t for t in old if t is not None and self.known(t) and id(real(t)) not in kept]
+        kept = {id(real_parameter(t)) for t in new}
+        replaced = [t for t in old if t is not None and self.known(t) and id(real_parameter(t)) not in kept]
         root = self.root()
         if replaced and root is not None:  # the walk only where a held parameter is replaced by another
-            kept.update(id(real(t)) for n, t in root.named_parameters(remove_duplicate=False)
+            kept.update(id(real_parameter(t)) for n, t in root.named_parameters(remove_duplicate=False)
                         if n != where and not n.startswith(where + "."))
-        return [held_name(t) for t in replaced if id(real(t)) not in kept]
+        return [held_name(t) for t in replaced if id(real_parameter(t)) not in kept]
 
     def put_back(self, module: nn.Module) -> None:
         """Re-register the held parameters and the buffers an edit refused on `module` deleted from
@@ -230,7 +229,7 @@ def _on_parameter(module: nn.Module, name: str, param):
             "entries keep the name it had at initialize. Apply them before zeroshard.initialize; the module's "
             "parameters are as they were")
     where = _where(w, module, name)
-    lost = w.orphans(where, [module._parameters.get(name)], [param]) if name in module._parameters else []
+    lost = w.orphans(where, [module._parameters.get(name)], [param])
     if lost:
         raise _orphaning(where, held_name(param), lost)
     w.add_home(module, name, param)

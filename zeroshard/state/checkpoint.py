@@ -285,10 +285,9 @@ def _held_now(module, key: str, obj, full: dict):
     first one's, is what the model's own state_dict() would give under `key`."""
     prefix, _, name = key.rpartition(".")
     try:
-        now = (module.get_submodule(prefix) if prefix else module)._parameters.get(name)
+        now = real_parameter(module.get_submodule(prefix)._parameters.get(name))
     except AttributeError:  # a module deleted since: what it held at initialize
         return obj
-    now = real_parameter(now) if now is not None else None
     return now if now is not None and id(now) in full else obj
 
 
