@@ -8,13 +8,14 @@ This module holds the registry, SCENARIOS: its own scenarios, on backward and st
 backwards before a step, a step without one, a first forward that differs by rank, models the chunks
 cannot hold, writes into parameters between steps), contract_gradient_scenarios' (gradients taken
 besides the loss's backward, user autocast), then contract_optimizer_scenarios' and
-contract_module_scenarios'; contract_common holds what they share.
+contract_module_scenarios' and contract_call_scenarios'; contract_common holds what they share.
 """
 from __future__ import annotations
 
 import torch
 
 import zeroshard
+import contract_call_scenarios
 import contract_gradient_scenarios
 import contract_module_scenarios
 import contract_optimizer_scenarios
@@ -386,6 +387,7 @@ for _stage in range(4):  # last: at stage 3 it ends in DivergedError
 
 SCENARIOS.update(contract_optimizer_scenarios.SCENARIOS)
 SCENARIOS.update(contract_module_scenarios.SCENARIOS)
+SCENARIOS.update(contract_call_scenarios.SCENARIOS)
 
 
 def run(rank, world, out_path, only=None):

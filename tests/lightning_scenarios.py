@@ -159,20 +159,39 @@ HOOK_CLIP = 0.01  # what the module's configure_gradient_clipping clips to: belo
 def hooked_class():
     import lightning.pytorch as pl
 
+    from contract_call_scenarios import ReleasedStorages
+
     class Hooked(pl.LightningModule):
         """Overrides Lightning's backward and optimizer-step hooks, clipping in its own
-        configure_gradient_clipping."""
+        configure_gradient_clipping. `manual`: Lightning's manual optimization, its training_step
+        taking two halves of its batch through forward and manual_backward (`plain_backward`:
+        loss.backward() instead), clip_gradients, the step, zero_grad and the LR schedule's step;
+        `alive` counts, after each forward, the chunks released in it that are still held."""
 
-        def __init__(self, manual=False):
+        def __init__(self, manual=False, plain_backward=False):
             super().__init__()
             torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                           torch.nn.Tanh(), torch.nn.Linear(16, 4))
             self.calls = dict.fromkeys(HOOKS, 0)
             self.automatic_optimization = not manual
+            self.plain_backward = plain_backward
+            self.alive = []
 
         def training_step(self, batch, i):
             x, y = batch
-            return ((self.net(x) - y) ** 2).mean()
+            if self.automatic_optimization:
+                return ((self.net(x) - y) ** 2).mean()
+            opt = self.optimizers()
+            for half in (slice(0, 2), slice(2, 4)):
+                with ReleasedStorages() as released:
+                    loss = ((self.net(x[half]) - y[half]) ** 2).mean() / 2
+                    self.alive.append(released.alive())
+                loss.backward() if self.plain_backward else self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=HOOK_CLIP, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
 
         def on_before_backward(self, loss):
             self.calls["on_before_backward"] += 1
@@ -192,19 +211,25 @@ def hooked_class():
             self.clip_gradients(optimizer, gradient_clip_val=HOOK_CLIP, gradient_clip_algorithm="norm")
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-    return Hooked
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8 if not self.automatic_optimization else 1)]
+
+    class HookedWithoutBackward(Hooked):
+        backward = pl.LightningModule.backward  # Lightning's own: the engine's backward
+    return Hooked, HookedWithoutBackward
 
 
 def hooked_data():
     g = torch.Generator().manual_seed(3)
-    return torch.randn(40, 8, generator=g), torch.randn(40, 4, generator=g)
+    return torch.randn(48, 8, generator=g), torch.randn(48, 4, generator=g)
 
 
-def hooked_fit(rank: int, world: int, stage: int, manual: bool = False) -> dict:
+def hooked_fit(rank: int, world: int, stage: int, manual: bool = False, plain_backward: bool = False,
+               backward_override: bool = True, **config) -> dict:
     """The module's hook overrides run at every step, its clipping included: it trains what plain
     PyTorch trains on the global batch with clip_grad_norm_ to HOOK_CLIP (before, ZeroShardStrategy
-    called none of them: the model trained unclipped). Manual optimization is refused by name."""
+    called none of them: the model trained unclipped). `manual`: Lightning's manual optimization
+    (refused before), against the same plain PyTorch with the LR decayed each step."""
     import lightning.pytorch as pl
 
     from zeroshard.integrations.lightning import ZeroShardStrategy
@@ -212,16 +237,17 @@ def hooked_fit(rank: int, world: int, stage: int, manual: bool = False) -> dict:
     sampler = torch.utils.data.DistributedSampler(torch.utils.data.TensorDataset(x, y), num_replicas=world,
                                                   rank=rank, shuffle=False)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4, sampler=sampler)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroShardStrategy(stage=stage), max_epochs=1,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ZeroShardStrategy(stage=stage, **config),
+                         max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, use_distributed_sampler=False)
-    module = hooked_class()(manual)
+    module = hooked_class()[0 if backward_override else 1](manual, plain_backward)
     try:
         trainer.fit(module, loader)
     except Exception as e:  # noqa: BLE001 -- the refusal is the result
         return {"error": f"{type(e).__name__}: {e}"}
-    ref = hooked_class()()
+    ref = hooked_class()[0]()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8 if manual else 1)
     order = [i for b in range(len(x) // (4 * world)) for r in range(world) for i in range(r, len(x), world)[4 * b:4 * b + 4]]
     for k in range(len(order) // (4 * world)):  # each step: every rank's 4 samples
         idx = order[k * 4 * world:(k + 1) * 4 * world]
@@ -229,8 +255,12 @@ def hooked_fit(rank: int, world: int, stage: int, manual: bool = False) -> dict:
         torch.nn.utils.clip_grad_norm_(ref.parameters(), HOOK_CLIP)
         opt.step()
         opt.zero_grad()
-    got = trainer.strategy.engine.full_state_dict()
-    return {"calls": module.calls, "steps": trainer.global_step, "vs_torch": max_diff(got, ref.state_dict())}
+        sched.step()
+    engine = trainer.strategy.engine
+    got = engine.full_state_dict()
+    return {"calls": module.calls, "steps": trainer.global_step, "vs_torch": max_diff(got, ref.state_dict()),
+            "alive": module.alive, "chunks": len(engine.chunks), "lr": engine.optimizer.param_groups[0]["lr"],
+            "ref_lr": opt.param_groups[0]["lr"]}
 
 
 def run(rank: int, world: int, out_path: str) -> None:
@@ -277,7 +307,11 @@ def run(rank: int, world: int, out_path: str) -> None:
             results[name] = res
         for stage in (0, 3):
             results[f"hooked_stage{stage}"] = hooked_fit(rank, world, stage)
-        results["manual_optimization"] = hooked_fit(rank, world, 2, manual=True)
+        # stage 0 with the module's backward override, stage 3 (a layer a chunk, a 1-chunk rCache) without
+        results["manual_stage0"] = hooked_fit(rank, world, 0, manual=True)
+        results["manual_stage3"] = hooked_fit(rank, world, 3, manual=True, backward_override=False, chunk_size=300,
+                                              cache_chunks=1)
+        results["manual_plain_backward"] = hooked_fit(rank, world, 2, manual=True, plain_backward=True)
         # Validation inside fit, before the first step and after every step, through a 1-chunk rCache
         trainer, _ = fit(rank, world, 3, os.path.join(root, "stage3_validating"), validate_every=1,
                          cache_chunks=1, chunk_size=20000)

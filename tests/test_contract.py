@@ -4,6 +4,7 @@ stage. Tolerances as tests/test_parity.py: fp32 SGD with momentum 1e-5, fp32 Ada
 """
 import pytest
 
+from contract_call_scenarios import LAYERS
 from contract_optimizer_scenarios import CLIP_TO
 from contract_scenarios import run
 from distributed import WorldResults, ok
@@ -379,3 +380,17 @@ def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
     assert got["unchanged"] == 0.0
     assert len(got["grad_scaler"]) == world and all(
         e.startswith("GradientsInChunksError: zeroshard: torch.amp.GradScaler unscales") for e in got["grad_scaler"])
+
+
+def test_the_model_called_as_itself_runs_the_engines_forward(res):
+    """`model(x)` in a plain loop (as the README shows it) at stage 3: trained as torch, the chunk
+    layout final and the schedule recorded after the first step, and no chunk released in a forward
+    held until backward (the first forward, which may re-pack the chunks, saves them as they are,
+    on either path). Before, `model(x)` held every released chunk each step and kept recording."""
+    r, _ = res
+    got = ok(r, "called_as_itself")
+    for how in ("engine", "model"):
+        assert got[how]["diff"] <= TOL["sgd"], got
+        assert got[how]["chunks"] == LAYERS and not got[how]["recording"], got
+    assert got["model"]["alive"] == got["engine"]["alive"], got
+    assert got["engine"]["alive"][0] > 0 and got["engine"]["alive"][1:] == [0, 0], got

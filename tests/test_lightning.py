@@ -18,6 +18,7 @@ from distributed import world2_then_world1  # noqa: E402
 from lightning_scenarios import HOOKS, STEPS, max_diff, run  # noqa: E402
 from models import ADAMW_TOL  # noqa: E402
 
+HOOKED_STEPS = 6  # 48 samples, 4 a rank a step, 2 ranks
 RUNS = ("stage0", "stage1", "stage2", "stage3", "stage3_offload")
 
 
@@ -166,10 +167,29 @@ def test_the_modules_backward_and_optimizer_step_hooks_run(runs, stage):
     its own configure_gradient_clipping trained unclipped, silently."""
     got = runs[f"hooked_stage{stage}"]
     assert "error" not in got, got
-    assert got["steps"] == 5 and got["calls"] == dict.fromkeys(HOOKS, 5), got
+    assert got["steps"] == HOOKED_STEPS and got["calls"] == dict.fromkeys(HOOKS, HOOKED_STEPS), got
     assert got["vs_torch"] <= 1e-5, got  # fp32 SGD
 
 
-def test_manual_optimization_is_refused_by_name(runs):
-    got = runs["manual_optimization"]
-    assert got.get("error", "").startswith("ConfigError") and "manual optimization" in got["error"], got
+@pytest.mark.parametrize("stage", [0, 3])
+def test_manual_optimization_trains_what_plain_pytorch_trains(runs, stage):
+    """Lightning's manual optimization (refused before): two forwards and manual_backward calls per
+    training_step, clip_gradients, opt.step(), opt.zero_grad(), the LR scheduler stepped by hand.
+    The hooks run as Lightning runs them in manual optimization (no configure_gradient_clipping);
+    stage 0 calls the module's backward override, stage 3 the engine's backward. At stage 3 (a
+    layer a chunk, a 1-chunk rCache) each forward inside the training step runs the engine's forward:
+    after the first, which may re-pack the chunks, no chunk it released is held until backward."""
+    got = runs[f"manual_stage{stage}"]
+    assert "error" not in got, got
+    per_step = {"on_before_backward": 2, "backward": 2 if stage == 0 else 0, "on_after_backward": 2,
+                "on_before_optimizer_step": 1, "configure_gradient_clipping": 0}
+    assert got["steps"] == HOOKED_STEPS and got["calls"] == {k: n * HOOKED_STEPS for k, n in per_step.items()}, got
+    assert got["vs_torch"] <= 1e-5, got  # fp32 SGD
+    assert got["lr"] == pytest.approx(got["ref_lr"]) and got["lr"] < 0.1, got
+    if stage == 3:
+        assert got["chunks"] == 3 and got["alive"][0] > 0 and not any(got["alive"][1:]), got
+
+
+def test_loss_backward_inside_a_manual_training_step_is_refused_by_name(runs):
+    got = runs["manual_plain_backward"]
+    assert got.get("error", "").startswith("EngineCallError") and "manual_backward" in got["error"], got

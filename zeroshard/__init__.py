@@ -21,7 +21,8 @@ Floors:
 6. planning: profiler, machine, planner, the paper's estimates.
 7. state: checkpoints saved and loaded, pretrained weights in and out, export.
 8. telemetry: per-step statistics and the memory timeline.
-9. engine, assembly, engine_io: `Engine`, built by assembly's named steps, its state methods in engine_io.
+9. engine, assembly, engine_io, engine_forward: `Engine`, built by assembly's named steps, its state
+   methods in engine_io, its forward's bracket in engine_forward.
 10. __init__, integrations, cli, demo: the front ends.
 """
 from __future__ import annotations

@@ -17,27 +17,26 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
 from .assembly import EngineCalls, compile_units, install_hooks, join_world, make_parts, pack, plan, read_model
+from .engine_forward import EngineForward, runs_between_forwards
 from .engine_io import EngineIO, TrainingPhase
 from .config import Config
 from .distributed.ordering import STEP, waiting
 from .distributed.tensor_parallel import local_grad
-from .errors import ConfigError, EngineCallError, GradientsInChunksError, invariant
+from .errors import EngineCallError, GradientsInChunksError, invariant
 from .optim.user_calls import refuse_clip_call, refuse_grads_set_by_hand, route_optimizer_calls
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
-from .runtime.compiled import calls_without_kv_cache, compile_model, compile_targets, torch_compiler
+from .runtime.compiled import calls_without_kv_cache, torch_compiler
 from .runtime.hooks import weak_method
-from .runtime.module_state import check_not_moved
 from .telemetry.stats import StepMeter, describe_step, step_stats
 from .units import refuse_forward_writes, refuse_untrainable
 
 log = logging.getLogger("zeroshard")
 
 
-class Engine(EngineIO):
+class Engine(EngineForward, EngineIO):
     """Trains `module` with ZeRO data parallelism. Build it with `zeroshard.initialize`."""
 
     def __init__(self, module: nn.Module, optimizer, config: Config, device: torch.device | None = None,
@@ -78,8 +77,10 @@ class Engine(EngineIO):
             installed.hooks, installed.loading, installed.arrivals, installed.saved, installed.grad_readers, installed.watch)
         self._grad_arrived_hook = on.grad_arrived
         self._unhooked = installed.unhooked  # frozen parameters: hooked when unfrozen (_follow_requires_grad)
-        # first: a unit's own pre-hook must see the chunks as thawed
-        module.register_forward_pre_hook(weak_method(self._direct_call), prepend=True)
+        # The forward's bracket (engine_forward.py), opened first: a unit's own pre-hook must see
+        # the chunks as thawed; closed after the units' hooks, even where the forward raised.
+        module.register_forward_pre_hook(weak_method(self._forward_begins), prepend=True, with_kwargs=True)
+        module.register_forward_hook(weak_method(self._forward_ends), with_kwargs=True, always_call=True)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
         if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
@@ -97,6 +98,7 @@ class Engine(EngineIO):
         self.micro_steps = 0
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self._sync = True  # False inside no_sync()
+        self._open = None  # the forward open now (engine_forward.OpenForward)
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()
@@ -123,121 +125,7 @@ class Engine(EngineIO):
         return self.layout.chunks
 
     # -- training API -----------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        if self.phase is TrainingPhase.BACKWARD:  # a plain loss.backward() raised half-way
-            log.warning("the previous backward was interrupted; its reductions are abandoned")
-            self._abandon_backward()
-        self._expect_idle("forward")
-        if torch.is_grad_enabled():
-            self._follow_requires_grad()
-        self.shards.at(pass_index=self.micro_steps)
-        self.phase = TrainingPhase.FORWARD
-        if torch.is_grad_enabled() and self.module.training:
-            self.meter.forward(args, kwargs)
-        try:
-            with self._waits("run the forward"):
-                return self._forward(*self._to_device((args, kwargs)))
-        finally:
-            self.phase = TrainingPhase.IDLE
-            if self._arrivals is not None:  # a compiled block interrupted by a BaseException
-                self._arrivals.resume()
-
-    def _forward(self, args, kwargs):
-        recording = self.layout.recorder is not None and self.module.training and torch.is_grad_enabled()
-        self._micro_layout_final = self.layout.final
-        if self._micro_layout_final and self._compiler is not None and self.compiled is None:
-            targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
-            if not targets:
-                log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "
-                            "end replaced its forward since initialize, and it has no layer blocks to compile")
-            self.compiled = compile_model(targets, self._compiler)
-            if self._arrivals is not None and self.compiled != [self.module]:
-                self._arrivals.wait_per_block(self.compiled)
-        if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)
-            self._arrivals.settle()
-        if self.hooks is not None:
-            self.hooks.close_open_forwards()
-            self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
-            self.cache.rewind()  # every forward (micro-batch or evaluation) replays the schedule
-        tracking = self.timeline is not None and self.timeline.recording
-        if torch.is_grad_enabled() and self.saved.needed(self.timeline):
-            with self.saved.around_forward(self.timeline, by_reference=self._micro_layout_final):
-                out = self.module(*args, **kwargs)
-        else:
-            out = self.module(*args, **kwargs)
-        if recording:  # re-pack in order of first use, rank 0's on every rank
-            self.fix_layout(self.layout.first_use_order(self.params))
-        if tracking:
-            self.timeline.sample("forward")
-        if self.hooks is not None and not torch.is_grad_enabled():  # no backward's end issues them
-            self.shards.issue_handed_over()
-        self._settle()  # chunks this forward did not use
-        return out
-
-    forward = __call__
-
-    def compile_with(self, compiler) -> None:
-        """Compile with `compiler` (a callable taking a function, returning its compiled form) instead
-        of torch.compile with config `compile`'s arguments, which must be on (at stage 3 it chose the
-        blocks at initialize); it takes effect where config `compile` would."""
-        if self._compiler is None:
-            raise ConfigError("zeroshard: compile_with needs config compile on (it picks what is compiled)")
-        if self.compiled is not None:
-            raise EngineCallError("zeroshard: compile_with after the model was compiled")
-        self._compiler = compiler
-
-    def thaw(self, names=frozenset()) -> None:
-        """Make trainable the frozen chunks holding a parameter that now requires a gradient, or one
-        named in `names` (a checkpoint holding its optimizer state); a delayed update lands first."""
-        chunks = self.layout.unfrozen(names)
-        if chunks:
-            self.apply_delayed_update()
-            self.layout.thaw(chunks)
-            self.optim.adopt(self.chunks, chunks)
-
-    def _follow_requires_grad(self) -> None:
-        """Gradual unfreezing: a parameter set to require a gradient since initialize trains from
-        this forward on, as in torch. Its chunk, if frozen, becomes trainable (Chunk.make_trainable;
-        a delayed update in flight lands first) and the optimizer starts stepping it with no state;
-        its gradients go into the chunk. Freezing again needs nothing: no gradient, no step."""
-        new = [p for p in self._unhooked if p.requires_grad]
-        if not new:
-            return
-        self.thaw()
-        for p in new:
-            p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
-        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
-
-    def _direct_call(self, module: nn.Module, args) -> None:
-        """The root's forward pre-hook. Stages 0-2: the parameters still view their chunks
-        (module_state.check_not_moved). The model called as itself (`model(x)`, `generate`) follows
-        unfreezing where gradients are recorded, and at stage 3 the schedule from its start."""
-        if self.hooks is None:
-            check_not_moved(self.chunks)
-        if self.phase is TrainingPhase.IDLE and torch.is_grad_enabled() and self._unhooked:
-            self._follow_requires_grad()
-        if self.phase is TrainingPhase.IDLE and self.hooks is not None and not self.hooks.active and not self.hooks.in_backward:
-            self.shards.issue_handed_over()
-            self.cache.rewind()
-
-    def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
-        """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
-        recording first use. Re-packing needs an optimizer with no state."""
-        if self.layout.final:
-            return
-        if order is not None and self.layout.differs(order):
-            self._quiesce()  # and the user's writes so far into the masters the re-pack reads (user_writes.py)
-            self.layout.repack(order)
-            self.layout.adopt_shards()
-            self.cache.set_chunks(self.chunks)
-            self.optim.attach(self.chunks)
-        self.layout.finalize()
-
-    def _to_device(self, tree):
-        """Inputs onto the device, floating ones in the compute dtype, through any pytree container."""
-        cast = lambda x: x.to(self.dtype) if x.is_floating_point() else x  # noqa: E731
-        return tree_map_only(torch.Tensor, lambda x: cast(x).to(self.device, non_blocking=True), tree)
-
+    @runs_between_forwards
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (the mean loss of this rank's micro-batch). `loss.backward()` does the
         same except with fp16, whose loss scaling needs this method."""
@@ -288,6 +176,12 @@ class Engine(EngineIO):
             if self.scaler is not None:
                 raise EngineCallError("zeroshard: with precision 'fp16' call engine.backward(loss), not "
                                    "loss.backward(): the loss must be scaled (dynamic loss scaling)")
+            if self._open is not None and self._open.step_function:
+                # its forward would reopen inside autograd's callback, whose thread state (the
+                # saved-tensor hooks) autograd restores after it
+                raise EngineCallError("zeroshard: loss.backward() inside a training step function (Lightning's "
+                                      "manual optimization): call self.manual_backward(loss), or the backward "
+                                      "inside engine.between_forwards()")
             if self.phase is not TrainingPhase.IDLE:
                 raise EngineCallError(f"zeroshard: a backward started while the engine is in {self.phase.value}")
             # Autograd runs this once the whole backward pass is done, before backward() returns.
@@ -359,6 +253,7 @@ class Engine(EngineIO):
                 self.reducer.leaf_done(chunk, slot)
         self.reducer.start_complete()
 
+    @runs_between_forwards
     def step(self) -> bool:
         """At the end of a gradient accumulation window, apply the update and clear gradients.
         Returns True when an update was applied (False between boundaries, or when a non-finite
@@ -418,6 +313,7 @@ class Engine(EngineIO):
         known = set(self.layout.slot_of) | {id(pc.param) for c in self.optim.chunks for pc in c.pieces}
         return {id(t) for t in given if id(t) in known or id(getattr(t, "_zs_param", None)) in known}
 
+    @runs_between_forwards
     def _clip_grad_norm(self, given: list, max_norm: float, norm_type, error_if_nonfinite: bool) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over what this engine trains (runtime/grad_readers.py), in a
         plain loop between the window's last backward and its step: the global L2 norm of the
@@ -437,6 +333,7 @@ class Engine(EngineIO):
     def _stepping(self) -> bool:
         return self.phase is TrainingPhase.STEP
 
+    @runs_between_forwards
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last step, as optimizer.zero_grad() does in torch
         (step() clears them itself). `model.zero_grad()` on the wrapped model calls this."""

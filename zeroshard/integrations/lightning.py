@@ -11,6 +11,9 @@ What comes from Lightning, as it does without zeroshard:
 - the optimizer and LR schedulers from `configure_optimizers` (one optimizer, built over the
   module's parameters: the engine adopts it with its param groups, and the schedulers built on it
   set the rate the update applies);
+- manual optimization (one optimizer): training_step runs as one forward of the model
+  (Engine.run_training_step) that manual_backward, opt.step(), opt.zero_grad() and clip_gradients
+  inside it close and open again; a module's backward override runs between forwards too;
 - `accumulate_grad_batches`: Lightning divides the loss and steps at the window's end; the engine
   keeps the window's gradients unreduced until its last micro-batch at stages 0-1 (Lightning's
   block_backward_sync is Engine.no_sync: one reduction per window) and reduce-scatters each at
@@ -129,10 +132,6 @@ class ZeroShardStrategy(DDPStrategy):
             raise EngineCallError("zeroshard: ZeroShardStrategy.setup before the Trainer connected an accelerator and "
                                "a model: pass the strategy to a lightning Trainer")
         self.accelerator.setup(trainer)
-        if not self.lightning_module.automatic_optimization:
-            raise ConfigError("zeroshard: ZeroShardStrategy trains with Lightning's automatic optimization; manual "
-                              "optimization (automatic_optimization = False: manual_backward, opt.step() inside "
-                              "training_step, which runs inside the engine's forward) is not supported")
         if self.engine is None:  # the first fit/validate/test/predict makes it; later ones reuse it
             cfg = self._engine_config(trainer)
             self.setup_optimizers(trainer)  # configure_optimizers: the engine adopts the optimizer
@@ -175,6 +174,9 @@ class ZeroShardStrategy(DDPStrategy):
         return self._forward_redirection(self.engine, self.lightning_module, method, *args, **kwargs)
 
     def training_step(self, *args, **kwargs):
+        module = self.lightning_module
+        if not module.automatic_optimization:  # its backwards and steps run inside it (module docstring)
+            return self.engine.run_training_step(module.training_step, *args, **kwargs)
         return self._forward("training_step", *args, **kwargs)
 
     def validation_step(self, *args, **kwargs):
@@ -198,12 +200,18 @@ class ZeroShardStrategy(DDPStrategy):
         called; Lightning's own is the engine's, whose fp16 loss scaling loss.backward() lacks),
         on_after_backward. The gradients live in the engine's chunks: p.grad is None in the hooks."""
         module = self.lightning_module
-        _hooks(module, "on_before_backward", closure_loss)
-        if _overrides(module, "backward"):
-            module.backward(closure_loss, *args, **kwargs)
-        else:
-            self.engine.backward(closure_loss)
-        _hooks(module, "on_after_backward")
+        with self.engine.between_forwards("manual_backward()"):
+            _hooks(module, "on_before_backward", closure_loss)
+            if _overrides(module, "backward"):
+                module.backward(closure_loss, *args, **kwargs)
+            elif args or kwargs:  # manual_backward(loss, retain_graph=True, ...): autograd's own arguments
+                if self.engine.scaler is not None:
+                    raise ConfigError("zeroshard: manual_backward with autograd's arguments under fp16: the loss "
+                                      "must be scaled (engine.backward takes the loss alone)")
+                closure_loss.backward(*args, **kwargs)
+            else:
+                self.engine.backward(closure_loss)
+            _hooks(module, "on_after_backward")
         return closure_loss
 
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
@@ -213,7 +221,7 @@ class ZeroShardStrategy(DDPStrategy):
         result = closure()
         module = self.lightning_module
         _hooks(module, "on_before_optimizer_step", optimizer)
-        if _overrides(module, "configure_gradient_clipping"):
+        if module.automatic_optimization and _overrides(module, "configure_gradient_clipping"):  # as Lightning
             trainer = module.trainer
             call._call_lightning_module_hook(trainer, "configure_gradient_clipping", optimizer,
                                              gradient_clip_val=trainer.gradient_clip_val,

@@ -133,12 +133,14 @@ class ChunkCache:
         self.recording = False
         self._head = None
 
-    def rewind(self) -> None:
+    def rewind(self, prefetch: bool = True) -> None:
         """A forward begins: follow the schedule from its start, whose first chunks start
-        gathering now (together: the second's gather then runs beside the first's)."""
+        gathering now (together: the second's gather then runs beside the first's), or, without
+        `prefetch`, at the forward's first chunk use."""
         self.cursor = 0
         self._pass_in_step = in_step()
-        self._maybe_prefetch()
+        if prefetch:
+            self._maybe_prefetch()
 
     # -- use -----------------------------------------------------------------------------------
     def acquire(self, chunk: Chunk, recorded: bool = True) -> None:

@@ -1,0 +1,131 @@
+"""The wrapped model called as itself (`model(x)` in a plain loop, as the README shows it) runs the
+engine's forward (engine_forward.py), in a world of one: config `compile` compiles it, the chunk
+layout is made final by its first training forward, a forward that raised (an Exception, or a
+KeyboardInterrupt, which passes torch's always-called hooks by) leaves the engine able to go on, and
+the root called inside its own forward is part of that forward. Tolerance: fp32 SGD with momentum,
+1e-5 against plain torch (contract_call_scenarios.py has the spawned half: chunks released at stage 3).
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import zeroshard
+from contract_call_scenarios import LAYERS, WIDTH, Stack
+from models import max_diff
+
+
+def sgd(ps):
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+
+def engine_and_reference(stage, make=Stack, **config):
+    model = make()
+    engine = zeroshard.initialize(model, sgd, {"stage": stage, "chunk_size": WIDTH * WIDTH + WIDTH, **config})
+    ref = make()
+    return model, engine, ref, sgd(ref.parameters())
+
+
+def step(call, x, opt):
+    call(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def data(steps=3):
+    return torch.randn(steps, 4, WIDTH, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_config_compile_compiles_the_model_called_as_itself(stage):
+    """Before, config compile compiled nothing unless the engine was called: `model(x)` ran eager,
+    silently. Stage 3 compiles each layer block (a leaf), stages 0-2 the blocks too."""
+    model, engine, ref, opt = engine_and_reference(stage, compile={"backend": "aot_eager"})
+    for x in data():
+        step(model, x, engine.optimizer)
+        step(ref, x, opt)
+    assert engine.compiled is not None and len(engine.compiled) == LAYERS, engine.compiled
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_first_forward_of_the_model_called_as_itself_makes_the_layout_final(stage):
+    """The first training forward re-packs the chunks in order of first use and makes the layout
+    final, as engine(x) does (before: it stayed recording, and at stage 3 the rCache kept recording
+    the schedule, prefetching nothing); stage 3 records the schedule over the next step."""
+    model, engine, ref, opt = engine_and_reference(stage)
+    for x in data():
+        step(model, x, engine.optimizer)
+        step(ref, x, opt)
+        assert engine.layout.final
+    assert not (stage == 3 and engine.cache.recording)  # recorded over the first step after the re-pack
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+class Raises(Stack):
+    """Raises `error` in its forward, after three of its layers, when one is set."""
+    error = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == 3 and self.error is not None:
+                raise self.error
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a forward that raised"), KeyboardInterrupt()],
+                         ids=["exception", "keyboard_interrupt"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_forward_of_the_model_that_raised_leaves_the_engine_able_to_go_on(stage, error, caplog):
+    """A forward that raised half-way: the next call trains as torch does (nothing of the failed
+    forward counts). torch runs the always-called hook for an Exception; a KeyboardInterrupt is
+    found at the next call, with a warning."""
+    model, engine, ref, opt = engine_and_reference(stage, make=Raises, cache_chunks=1)
+    xs = data(4)
+    step(model, xs[0], engine.optimizer)
+    step(ref, xs[0], opt)
+    model.error = error
+    with pytest.raises(type(error)):
+        model(xs[1])
+    model.error = None
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        for x in xs[2:]:
+            step(model, x, engine.optimizer)
+            step(ref, x, opt)
+    interrupted = "interrupted" in caplog.text
+    assert interrupted == isinstance(error, KeyboardInterrupt), caplog.text
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+class CallsItself(Stack):
+    """A forward that calls the model itself for each half of the batch (a LightningModule's
+    training_step calling self(x) runs so inside the engine's forward)."""
+
+    def forward(self, x, half=False):
+        if not half:
+            return torch.cat([self(x[:2], half=True), self(x[2:], half=True)])
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("how", ["engine", "model", "model_in_except"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_model_called_inside_its_own_forward_is_part_of_that_forward(stage, how):
+    """The inner calls open no forward of their own; `model_in_except`: the model called inside an
+    `except` block (an exception being handled is not one its forward raised)."""
+    model, engine, ref, opt = engine_and_reference(stage, make=CallsItself, cache_chunks=1)
+    call = engine if how == "engine" else model
+    for x in data():
+        if how == "model_in_except":
+            try:
+                raise ValueError("handled by the loop")
+            except ValueError:
+                step(call, x, engine.optimizer)
+        else:
+            step(call, x, engine.optimizer)
+        step(ref, x, opt)
+        assert engine.layout.final
+    assert not (stage == 3 and engine.cache.recording)  # recorded over the first step after the re-pack
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5

@@ -1,0 +1,298 @@
+"""The engine's forward: `engine(...)` and the wrapped model called as itself (`model(x)` in a plain
+loop, `generate`, a front end's call) run the same bracket around the model's forward, opened by the
+root's forward pre-hook and closed by its always-called forward hook. `EngineForward` is a base of
+`Engine` (engine.py).
+
+Note: one bracket. The bracket holds what a forward needs beyond the units' own hooks: inputs on the
+device in the compute dtype, gradual unfreezing followed, the layer blocks compiled once the layout
+is final, at stage 3 the schedule replayed from its start and the saved-tensor hooks (a saved chunk
+view is kept by reference, so the chunk is released between forward and backward), activation
+offload and P_a, the re-pack in order of first use after the first training forward, and the
+chunks this forward did not use settled at its end. The model called as itself used to get a few of
+these in a pre-hook: at stage 3 each step then held every gathered chunk from forward to backward
+through the tensors autograd saved (the whole model, where engine(...) holds its rCache), never
+left recording the schedule (no prefetch), and config `compile` compiled nothing.
+
+Note: a training step function. Lightning's manual optimization runs a whole training step inside
+what the engine sees as one call (`run_training_step`): forwards of the model's modules, backwards,
+optimizer steps. Each backward, step, zero_grad and gradient clipping inside it closes the open
+forward first (its saved-tensor hooks off, the layout fixed after the first) and opens the next
+after it (`between_forwards`; a front end puts a user's backward override inside one), which follows the schedule from its start without prefetching: the
+next call may be a step, which would drop what a prefetch gathered.
+
+Note: nested and interrupted calls. The root called inside its own forward (a LightningModule's
+training_step calling self(x), run inside the engine's forward) is part of the open forward. A
+forward interrupted by a BaseException misses torch's always-called hooks (they run for Exception):
+`engine(...)` closes its own forward in a finally; a direct call's is found open at the next call,
+whose stack no longer holds the open one's frame, and closed then, with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+from .engine_io import TrainingPhase
+from .errors import ConfigError, EngineCallError
+from .runtime.compiled import compile_model, compile_targets
+from .runtime.module_state import check_not_moved
+
+log = logging.getLogger("zeroshard")
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+@dataclasses.dataclass
+class OpenForward:
+    """A forward the root's pre-hook opened: the frame of the root's call (to tell a nested call
+    from one made after an interrupted forward), the contexts it entered, what its end does."""
+    frame: object
+    contexts: contextlib.ExitStack
+    recording: bool  # re-pack in order of first use at its end
+    tracking: bool  # the memory timeline samples its end
+    grad: bool
+    exception: BaseException | None  # the one being handled when it opened (a call inside an except block)
+    step_function: bool = False  # run_training_step's: backwards and steps inside it (module docstring)
+    nested: int = 0
+
+
+def _root_call_frame():
+    """The frame of the innermost Module._call_impl on this thread's stack (the root's call, seen
+    from its hooks)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code is not _CALL_IMPL:
+        f = f.f_back
+    return f
+
+
+def runs_between_forwards(method):
+    """An Engine method that runs between forwards (EngineForward.between_forwards)."""
+    @functools.wraps(method)
+    def between(self, *args, **kwargs):
+        with self.between_forwards(f"{method.__name__.strip('_')}()"):
+            return method(self, *args, **kwargs)
+    return between
+
+
+def _on_stack(frame) -> bool:
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+class EngineForward:
+    """Engine methods of the forward bracket (module docstring)."""
+
+    _open: OpenForward | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.phase is TrainingPhase.BACKWARD:  # a plain loss.backward() raised half-way
+            log.warning("the previous backward was interrupted; its reductions are abandoned")
+            self._abandon_backward()
+        self._expect_idle("forward")
+        try:
+            with self._waits("run the forward"):
+                return self.module(*args, **kwargs)  # the root's hooks open and close the bracket
+        finally:
+            if self._open is not None:  # a BaseException passed torch's always-called hook by
+                self._close_forward(failed=True)
+
+    forward = __call__
+
+    def run_training_step(self, fn, *args, **kwargs):
+        """Run `fn(*args, **kwargs)`, a whole training step (forwards of the model or its modules,
+        backwards, optimizer steps: Lightning's manual optimization), as one forward of the model
+        that each backward, step, zero_grad and gradient clipping inside it closes and opens again
+        (module docstring); returns what `fn` returns."""
+        if self.phase is TrainingPhase.BACKWARD:
+            log.warning("the previous backward was interrupted; its reductions are abandoned")
+            self._abandon_backward()
+        self._expect_idle("run_training_step()")
+        args, kwargs = self._to_device((args, kwargs))
+        self._open_forward(args, kwargs, step_function=True)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            if self._open is not None:
+                self._close_forward(failed=True)
+            raise
+        if self._open is not None:
+            self._close_forward(failed=False)
+        return out
+
+    @contextlib.contextmanager
+    def between_forwards(self, call: str = "this call"):
+        """Inside a training step function's forward (run_training_step): close that forward for
+        what runs inside this (`call`: its name, for errors), and open the next one after it
+        (module docstring). Anywhere else, nothing."""
+        opened = self._open
+        if opened is None or not opened.step_function:
+            yield
+            return
+        self._suspend_forward(call)
+        try:
+            yield
+        finally:
+            if self.phase is TrainingPhase.IDLE:  # not left inside an interrupted backward
+                self._resume_forward(opened)
+
+    def _suspend_forward(self, call: str) -> None:
+        """Close a training step function's forward for `call` (a backward, a step) made inside it."""
+        opened = self._open
+        if opened.nested:
+            raise EngineCallError(f"zeroshard: {call} inside a forward of the model, inside a training step: call "
+                                  "it after the model's forward returns")
+        if self.hooks is not None and self.hooks.active:
+            raise EngineCallError(f"zeroshard: {call} inside the forward of a module the engine gathers "
+                                  f"({type(self.hooks.active[-1]).__name__}): call it after that forward returns")
+        self._close_forward(failed=False)
+
+    def _resume_forward(self, closed: OpenForward) -> None:
+        """The training step function's next forward, after a call closed the one before."""
+        self._open_forward((), {}, step_function=True, frame=closed.frame, prefetch=False)
+
+    def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict):
+        """The root's forward pre-hook: opens the bracket (module docstring) where the engine is
+        idle; returns the inputs on the device in the compute dtype."""
+        if self.hooks is None:  # stages 0-2: the parameters still view their chunks
+            check_not_moved(self.chunks)
+        if self._open is not None:
+            if _on_stack(self._open.frame):  # the root called inside its own forward
+                self._open.nested += 1
+                return None
+            log.warning("zeroshard: the previous forward of the model was interrupted; it is closed now")
+            self._close_forward(failed=True)
+        if self.phase is not TrainingPhase.IDLE:  # inside full_parameters(), a backward's recompute
+            return None
+        args, kwargs = self._to_device((args, kwargs))
+        self._open_forward(args, kwargs)
+        return args, kwargs
+
+    def _forward_ends(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        """The root's always-called forward hook: closes the bracket its pre-hook opened."""
+        opened = self._open
+        if opened is None:
+            return None
+        if opened.nested:
+            opened.nested -= 1
+            return None
+        self._close_forward(failed=sys.exc_info()[1] is not opened.exception)
+        return None
+
+    def _open_forward(self, args: tuple, kwargs: dict, step_function: bool = False, frame=None,
+                      prefetch: bool = True) -> None:
+        grad = torch.is_grad_enabled()
+        if grad:
+            self._follow_requires_grad()
+        self.shards.at(pass_index=self.micro_steps)
+        training = grad and self.module.training
+        opened = OpenForward(frame or (sys._getframe(1) if step_function else _root_call_frame()),
+                             contextlib.ExitStack(), recording=self.layout.recorder is not None and training,
+                             tracking=self.timeline is not None and self.timeline.recording, grad=grad,
+                             exception=sys.exc_info()[1], step_function=step_function)
+        self.phase, self._open = TrainingPhase.FORWARD, opened
+        try:
+            if training and frame is None:  # a training step function counts its inputs once
+                self.meter.forward(args, kwargs)
+            self._micro_layout_final = self.layout.final
+            self._compile_when_due()
+            if self.hooks is not None:
+                self.hooks.close_open_forwards()
+                self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
+                self.cache.rewind(prefetch)  # every forward (micro-batch or evaluation) replays the schedule
+            if grad and self.saved.needed(self.timeline):
+                opened.contexts.enter_context(self.saved.around_forward(self.timeline,
+                                                                        by_reference=self._micro_layout_final))
+        except BaseException:
+            self._close_forward(failed=True)
+            raise
+
+    def _close_forward(self, failed: bool) -> None:
+        opened, self._open = self._open, None
+        try:
+            opened.contexts.close()
+            if failed:
+                return
+            if opened.recording:  # re-pack in order of first use, rank 0's on every rank
+                self.fix_layout(self.layout.first_use_order(self.params))
+            if opened.tracking:
+                self.timeline.sample("forward")
+            if self.hooks is not None and not opened.grad:  # no backward's end issues them
+                self.shards.issue_handed_over()
+            self._settle()  # chunks this forward did not use
+        finally:
+            self.phase = TrainingPhase.IDLE
+            if self._arrivals is not None:  # a compiled block interrupted by a BaseException
+                self._arrivals.resume()
+
+    def _compile_when_due(self) -> None:
+        """Config `compile`: compile once the layout is final (runtime/compiled.py)."""
+        if self._micro_layout_final and self._compiler is not None and self.compiled is None:
+            targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
+            if not targets:
+                log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "
+                            "end replaced its forward since initialize, and it has no layer blocks to compile")
+            self.compiled = compile_model(targets, self._compiler)
+            if self._arrivals is not None and self.compiled != [self.module]:
+                self._arrivals.wait_per_block(self.compiled)
+        if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)
+            self._arrivals.settle()
+
+    def compile_with(self, compiler) -> None:
+        """Compile with `compiler` (a callable taking a function, returning its compiled form) instead
+        of torch.compile with config `compile`'s arguments, which must be on (at stage 3 it chose the
+        blocks at initialize); it takes effect where config `compile` would."""
+        if self._compiler is None:
+            raise ConfigError("zeroshard: compile_with needs config compile on (it picks what is compiled)")
+        if self.compiled is not None:
+            raise EngineCallError("zeroshard: compile_with after the model was compiled")
+        self._compiler = compiler
+
+    def thaw(self, names=frozenset()) -> None:
+        """Make trainable the frozen chunks holding a parameter that now requires a gradient, or one
+        named in `names` (a checkpoint holding its optimizer state); a delayed update lands first."""
+        chunks = self.layout.unfrozen(names)
+        if chunks:
+            self.apply_delayed_update()
+            self.layout.thaw(chunks)
+            self.optim.adopt(self.chunks, chunks)
+
+    def _follow_requires_grad(self) -> None:
+        """Gradual unfreezing: a parameter set to require a gradient since initialize trains from
+        this forward on, as in torch. Its chunk, if frozen, becomes trainable (Chunk.make_trainable;
+        a delayed update in flight lands first) and the optimizer starts stepping it with no state;
+        its gradients go into the chunk. Freezing again needs nothing: no gradient, no step."""
+        new = [p for p in self._unhooked if p.requires_grad]
+        if not new:
+            return
+        self.thaw()
+        for p in new:
+            p.register_post_accumulate_grad_hook(self._grad_arrived_hook)
+        self._unhooked = [p for p in self._unhooked if not p.requires_grad]
+
+    def fix_layout(self, order: list[nn.Parameter] | None = None) -> None:
+        """Make the chunk layout final: re-pack the chunks in `order` if that differs, then stop
+        recording first use. Re-packing needs an optimizer with no state."""
+        if self.layout.final:
+            return
+        if order is not None and self.layout.differs(order):
+            self._quiesce()  # and the user's writes so far into the masters the re-pack reads (user_writes.py)
+            self.layout.repack(order)
+            self.layout.adopt_shards()
+            self.cache.set_chunks(self.chunks)
+            self.optim.attach(self.chunks)
+        self.layout.finalize()
+
+    def _to_device(self, tree):
+        """Inputs onto the device, floating ones in the compute dtype, through any pytree container."""
+        cast = lambda x: x.to(self.dtype) if x.is_floating_point() else x  # noqa: E731
+        return tree_map_only(torch.Tensor, lambda x: cast(x).to(self.device, non_blocking=True), tree)
