@@ -82,7 +82,7 @@ class Raises(Stack):
 def test_a_forward_of_the_model_that_raised_leaves_the_engine_able_to_go_on(stage, error, caplog):
     """A forward that raised half-way: the next call trains as torch does (nothing of the failed
     forward counts). torch runs the always-called hook for an Exception; a KeyboardInterrupt is
-    found at the next call, with a warning."""
+    found at the next call or entry point (here zero_grad), with a warning."""
     model, engine, ref, opt = engine_and_reference(stage, make=Raises, cache_chunks=1)
     xs = data(4)
     step(model, xs[0], engine.optimizer)
@@ -92,6 +92,7 @@ def test_a_forward_of_the_model_that_raised_leaves_the_engine_able_to_go_on(stag
         model(xs[1])
     model.error = None
     with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        engine.optimizer.zero_grad()  # an entry point between forwards (it raised after a KeyboardInterrupt)
         for x in xs[2:]:
             step(model, x, engine.optimizer)
             step(ref, x, opt)
@@ -128,4 +129,49 @@ def test_the_model_called_inside_its_own_forward_is_part_of_that_forward(stage, 
         step(ref, x, opt)
         assert engine.layout.final
     assert not (stage == 3 and engine.cache.recording)  # recorded over the first step after the re-pack
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("how", ["engine", "model"])
+def test_a_checkpoint_around_the_whole_model_recomputes_it(how, reentrant):
+    """torch.utils.checkpoint around the wrapped model at stage 3: its forward runs again in
+    backward (the checkpoint keeps its inputs, not what the forward saves), and the model trains as
+    torch's. The first version of the forward bracket pushed the engine's saved-tensor hooks inside
+    the checkpoint's, which then kept nothing to recompute: the activations were held, silently."""
+    from torch.utils.checkpoint import checkpoint
+    model, engine, ref, opt = engine_and_reference(3)
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    call = engine if how == "engine" else model
+    for x in data():
+        x = x.clone().requires_grad_(reentrant)  # a reentrant checkpoint needs an input that requires grad
+        checkpoint(call, x, use_reentrant=reentrant).pow(2).mean().backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad()
+        step(ref, x, opt)
+    assert len(calls) == 2 * len(data()), calls
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_saved_tensor_hooks_around_the_model_get_what_its_forward_saves(stage):
+    """A caller's saved-tensor hooks around model(x) (save_on_cpu, a user's own) get every tensor the
+    forward saves, as in torch (the first version of the bracket gave them 1 of 18 at stage 3)."""
+    model, engine, ref, opt = engine_and_reference(stage)
+    counted = {"model": 0, "torch": 0}
+
+    def counting(name):
+        def pack(t):
+            counted[name] += 1
+            return t
+        return pack
+    for x in data():
+        for name, call, o in (("model", model, engine.optimizer), ("torch", ref, opt)):
+            with torch.autograd.graph.saved_tensors_hooks(counting(name), lambda t: t):
+                loss = call(x).pow(2).mean()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    assert counted["model"] == counted["torch"] > 0, counted
     assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5

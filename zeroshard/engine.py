@@ -99,6 +99,7 @@ class Engine(EngineForward, EngineIO):
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self._sync = True  # False inside no_sync()
         self._open = None  # the forward open now (engine_forward.OpenForward)
+        self._warned_callers_hooks = False
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()

@@ -8,8 +8,10 @@ device in the compute dtype, gradual unfreezing followed, the layer blocks compi
 is final, at stage 3 the schedule replayed from its start and the saved-tensor hooks (a saved chunk
 view is kept by reference, so the chunk is released between forward and backward), activation
 offload and P_a, the re-pack in order of first use after the first training forward, and the
-chunks this forward did not use settled at its end. The model called as itself used to get a few of
-these in a pre-hook: at stage 3 each step then held every gathered chunk from forward to backward
+chunks this forward did not use settled at its end. Saved-tensor hooks of the caller
+(torch.utils.checkpoint or save_on_cpu around the model) keep what they asked for: the engine's are
+not pushed inside them. A call during a backward (a checkpoint's recomputation) opens nothing. The
+model called as itself used to get a few of these in a pre-hook: at stage 3 each step then held every gathered chunk from forward to backward
 through the tensors autograd saved (the whole model, where engine(...) holds its rCache), never
 left recording the schedule (no prefetch), and config `compile` compiled nothing.
 
@@ -23,8 +25,9 @@ next call may be a step, which would drop what a prefetch gathered.
 Note: nested and interrupted calls. The root called inside its own forward (a LightningModule's
 training_step calling self(x), run inside the engine's forward) is part of the open forward. A
 forward interrupted by a BaseException misses torch's always-called hooks (they run for Exception):
-`engine(...)` closes its own forward in a finally; a direct call's is found open at the next call,
-whose stack no longer holds the open one's frame, and closed then, with a warning.
+`engine(...)` closes its own forward in a finally; a direct call's is found open at the next call
+or entry point, whose stack no longer holds the open one's frame, and closed then, with a warning
+(its saved-tensor hooks too, or, where the caller pushed hooks over them since, at the next forward).
 """
 from __future__ import annotations
 
@@ -53,13 +56,13 @@ class OpenForward:
     """A forward the root's pre-hook opened: the frame of the root's call (to tell a nested call
     from one made after an interrupted forward), the contexts it entered, what its end does."""
     frame: object
-    contexts: contextlib.ExitStack
     recording: bool  # re-pack in order of first use at its end
     tracking: bool  # the memory timeline samples its end
     grad: bool
     exception: BaseException | None  # the one being handled when it opened (a call inside an except block)
     step_function: bool = False  # run_training_step's: backwards and steps inside it (module docstring)
     nested: int = 0
+    hooked: bool = False  # the engine's saved-tensor hooks are on for it
 
 
 def _root_call_frame():
@@ -165,14 +168,12 @@ class EngineForward:
         idle; returns the inputs on the device in the compute dtype."""
         if self.hooks is None:  # stages 0-2: the parameters still view their chunks
             check_not_moved(self.chunks)
-        if self._open is not None:
-            if _on_stack(self._open.frame):  # the root called inside its own forward
-                self._open.nested += 1
-                return None
-            log.warning("zeroshard: the previous forward of the model was interrupted; it is closed now")
-            self._close_forward(failed=True)
-        if self.phase is not TrainingPhase.IDLE:  # inside full_parameters(), a backward's recompute
+        self._close_stale_forward()
+        if self._open is not None:  # the root called inside its own forward
+            self._open.nested += 1
             return None
+        if self.phase is not TrainingPhase.IDLE or torch._C._current_graph_task_id() != -1:
+            return None  # inside full_parameters(), a backward's recomputation (torch.utils.checkpoint)
         args, kwargs = self._to_device((args, kwargs))
         self._open_forward(args, kwargs)
         return args, kwargs
@@ -196,7 +197,7 @@ class EngineForward:
         self.shards.at(pass_index=self.micro_steps)
         training = grad and self.module.training
         opened = OpenForward(frame or (sys._getframe(1) if step_function else _root_call_frame()),
-                             contextlib.ExitStack(), recording=self.layout.recorder is not None and training,
+                             recording=self.layout.recorder is not None and training,
                              tracking=self.timeline is not None and self.timeline.recording, grad=grad,
                              exception=sys.exc_info()[1], step_function=step_function)
         self.phase, self._open = TrainingPhase.FORWARD, opened
@@ -209,17 +210,45 @@ class EngineForward:
                 self.hooks.close_open_forwards()
                 self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
                 self.cache.rewind(prefetch)  # every forward (micro-batch or evaluation) replays the schedule
-            if grad and self.saved.needed(self.timeline):
-                opened.contexts.enter_context(self.saved.around_forward(self.timeline,
-                                                                        by_reference=self._micro_layout_final))
+            if grad and self.saved.needed(self.timeline) and not self._callers_saved_hooks():
+                self.saved.begin_forward(self.timeline, by_reference=self._micro_layout_final)
+                opened.hooked = True
         except BaseException:
             self._close_forward(failed=True)
             raise
 
+    def _callers_saved_hooks(self) -> bool:
+        """Whether saved-tensor hooks of the caller are on (torch.utils.checkpoint around the
+        model, torch.autograd.graph.save_on_cpu): then they keep what this forward saves, as they
+        asked, and the engine's are not pushed inside them (Note: one bracket)."""
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            return False
+        features = self.saved.features()
+        if features and not self._warned_callers_hooks:
+            self._warned_callers_hooks = True
+            log.warning("zeroshard: a forward under saved-tensor hooks of the caller (torch.utils.checkpoint or "
+                        "save_on_cpu around the model): they keep what it saves, without %s", " or ".join(features))
+        return True
+
+    def _close_stale_forward(self) -> None:
+        """A forward of the model called as itself that a BaseException interrupted (Note: nested
+        and interrupted calls): closed, with a warning."""
+        opened = self._open
+        if opened is None or opened.step_function or _on_stack(opened.frame):
+            return
+        log.warning("zeroshard: the previous forward of the model was interrupted; it is closed now")
+        self._close_forward(failed=True)
+
+    def _expect_idle(self, call: str) -> None:
+        self._close_stale_forward()
+        super()._expect_idle(call)
+
     def _close_forward(self, failed: bool) -> None:
         opened, self._open = self._open, None
         try:
-            opened.contexts.close()
+            if opened.hooked and not self.saved.end_forward():
+                log.warning("zeroshard: saved-tensor hooks pushed after an interrupted forward of the model are "
+                            "still on: the engine's stay under them until its next forward")
             if failed:
                 return
             if opened.recording:  # re-pack in order of first use, rank 0's on every rank

@@ -15,7 +15,6 @@ Model states (chunk storage) are never offloaded or counted as activations.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -72,10 +71,18 @@ class SavedTensorHooks:
         recording = timeline is not None and timeline.recording
         return self.stage3 is not None or self.offload is not None or self.partition is not None or recording
 
-    @contextlib.contextmanager
-    def around_forward(self, timeline, by_reference: bool):
-        """The hooks, for one forward. `by_reference`: stage-3 chunk views may be saved as
-        references (not in the forward that may re-pack chunks: references would name old chunks)."""
+    def features(self) -> list[str]:
+        """What these hooks do beyond stage 3's references, by the config's words."""
+        return ["offload_activations"] * (self.offload is not None) + ["P_a (partition_activations)"] * (
+            self.partition is not None)
+
+    def begin_forward(self, timeline, by_reference: bool) -> None:
+        """The hooks on, innermost, for one forward, until end_forward. `by_reference`: stage-3
+        chunk views may be saved as references (not in the forward that may re-pack chunks:
+        references would name old chunks). Hooks of this object still on the stack are stale (a
+        forward a BaseException interrupted): taken off first."""
+        while self._ours_on_top():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         self._by_reference = by_reference
         self._timeline = timeline if timeline is not None and timeline.recording else None
         if self.partition is not None or self.offload is not None:
@@ -84,12 +91,22 @@ class SavedTensorHooks:
             self.partition.begin_forward()
         if self.offload is not None:
             self.offload.begin_forward()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
-        finally:
-            self._timeline = None
-            self._storages = set()
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+
+    def end_forward(self) -> bool:
+        """The hooks off, where they are still the innermost; False where they are not (hooks
+        pushed over them since a forward a BaseException interrupted: they stay, under those, and
+        the next begin_forward finds them stale)."""
+        self._timeline = None
+        self._storages = set()
+        if not self._ours_on_top():
+            return False
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        return True
+
+    def _ours_on_top(self) -> bool:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] == self.pack
 
     def _count(self, t: torch.Tensor, on_host: bool) -> None:
         if self.saved_bytes is None:
