@@ -175,3 +175,59 @@ def test_saved_tensor_hooks_around_the_model_get_what_its_forward_saves(stage):
             o.zero_grad()
     assert counted["model"] == counted["torch"] > 0, counted
     assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_evaluation_inside_full_parameters_runs_on_the_whole_values(stage):
+    """model(x) under torch.no_grad() inside `with engine.full_parameters():` gives plain torch's
+    output, and training goes on as torch's. At stage 3 it raised a RuntimeError at the exit (the
+    units' hooks had left the parameters empty where the context had put their whole values); a
+    forward recording gradients there raises EngineCallError (the parameters it saves lose their
+    values at the exit), and the engine goes on."""
+    from zeroshard.errors import EngineCallError
+    model, engine, ref, opt = engine_and_reference(stage, cache_chunks=1)
+    xs = data(3)
+    step(model, xs[0], engine.optimizer)
+    step(ref, xs[0], opt)
+    with engine.full_parameters():
+        with torch.no_grad():
+            out = model(xs[1])
+    assert torch.equal(out, ref(xs[1]).detach())
+    if stage == 3:
+        with pytest.raises(EngineCallError, match="no_grad"):
+            with engine.full_parameters():
+                model(xs[1])
+    for x in xs[1:]:
+        step(model, x, engine.optimizer)
+        step(ref, x, opt)
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+class Whole(torch.nn.Module):
+    """No layer blocks: config compile compiles its forward whole."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("how", ["engine", "model"])
+def test_a_model_compiled_whole_runs_its_graph_from_the_second_step(how):
+    """The root compiled whole is compiled as the first training forward ends (the layout is
+    final then), so the second step runs its graph: the first version of the forward bracket
+    compiled it in the root's pre-hook, too late for the call under way, and a 2-step run (as
+    tests/test_architectures.py's ResNet at worlds 2-3) ran no graph at all."""
+    import torch._dynamo
+    model, engine, ref, opt = engine_and_reference(2, make=Whole, compile={"backend": "aot_eager"})
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    call = engine if how == "engine" else model
+    for x in data(2):
+        step(call, x, engine.optimizer)
+        step(ref, x, opt)
+    assert engine.compiled == [model] and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5

@@ -29,7 +29,7 @@ from .optim.user_calls import refuse_clip_call, refuse_grads_set_by_hand, route_
 from .planning.auto_plan import profiled_sequence
 from .runtime.chunks import Chunk
 from .runtime.compiled import calls_without_kv_cache, torch_compiler
-from .runtime.hooks import weak_method
+from .runtime.weak_calls import weak_method
 from .telemetry.stats import StepMeter, describe_step, step_stats
 from .units import refuse_forward_writes, refuse_untrainable
 

@@ -253,6 +253,7 @@ class EngineForward:
                 return
             if opened.recording:  # re-pack in order of first use, rank 0's on every rank
                 self.fix_layout(self.layout.first_use_order(self.params))
+                self._compile_when_due()  # now: a root compiled whole is compiled from its next call
             if opened.tracking:
                 self.timeline.sample("forward")
             if self.hooks is not None and not opened.grad:  # no backward's end issues them
@@ -265,7 +266,7 @@ class EngineForward:
 
     def _compile_when_due(self) -> None:
         """Config `compile`: compile once the layout is final (runtime/compiled.py)."""
-        if self._micro_layout_final and self._compiler is not None and self.compiled is None:
+        if self.layout.final and self._compiler is not None and self.compiled is None:
             targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
             if not targets:
                 log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "

@@ -182,8 +182,8 @@ class EngineIO:
         model: `model.state_dict()`, `save_pretrained`, reading or editing weights in place. On exit,
         with `writeback`, the values are written back into the masters and the compute copies (as
         `model.load_state_dict` writes them). Holds the whole model in fp32 on every rank while open;
-        no forward, backward or step inside it (FSDP's summon_full_params, DeepSpeed's
-        GatheredParameters)."""
+        the model's forward under torch.no_grad() runs on those values, but no training forward,
+        backward or step inside it (FSDP's summon_full_params, DeepSpeed's GatheredParameters)."""
         if self.phase is not TrainingPhase.IDLE:
             raise EngineCallError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
         self._quiesce()

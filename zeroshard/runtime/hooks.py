@@ -39,8 +39,9 @@ from .cache import in_step
 from .chunks import ChunkState
 from .param_writes import WrittenParameters
 from .unit_boundaries import AfterUnitBackward, unit_outputs
+from .weak_calls import weak_method
 from .placeholder import ShardedPlaceholder
-from ..errors import ShardedParameterError
+from ..errors import EngineCallError, ShardedParameterError
 from ..units import BackwardHolds, direct_params, unit_members
 
 
@@ -51,17 +52,6 @@ class ChunkView:
 
     def __init__(self, chunk, t: torch.Tensor):
         self.chunk, self.size, self.stride, self.offset = chunk, t.size(), t.stride(), t.storage_offset()
-
-
-def weak_method(method):
-    """A function that calls `method` while its object lives, without keeping the object alive
-    (autograd keeps hooks in C++, where the garbage collector cannot see a cycle through them)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args):
-        m = ref()
-        return m(*args) if m is not None else None
-    return call
 
 
 def _storage(t) -> int | None:
@@ -130,6 +120,7 @@ class Stage3Hooks:
         self.active: list[nn.Module] = []
         self._step = True  # the outermost forward running belongs to a training step (_pre_forward)
         self.in_backward = False
+        self.whole = False  # inside full_parameters(): every parameter holds its whole value, no gather
         self._handles = []
         for m in self.units:
             self._handles.append(m.register_forward_pre_hook(self._pre_forward_unit, with_kwargs=True))
@@ -240,8 +231,10 @@ class Stage3Hooks:
                 owner._parameters[name] = next(t for n, t in self.placeholders[owner] if n == name)
 
     def show_real_parameters(self, real: bool) -> None:
-        """Put the real parameters in every module's entries (True), or the placeholders back (the
-        caller kept whatever was written into them meanwhile)."""
+        """Put the real parameters, holding their whole values, in every module's entries (True),
+        or the placeholders back (the caller kept whatever was written into them meanwhile). A
+        forward in between gathers nothing; one recording gradients raises."""
+        self.whole = real
         for unit in self.units:
             self._swap(unit, real)
         if not real:
@@ -268,6 +261,11 @@ class Stage3Hooks:
 
     def _pre_forward(self, unit, args, step: bool | None = None):
         """`step`: given for an operation outside every forward (borrow), whether it is a use of the step."""
+        if self.whole:
+            if torch.is_grad_enabled():  # its saved parameters would lose their values at the exit
+                raise EngineCallError("zeroshard: a forward recording gradients inside full_parameters() at stage 3: "
+                                      "run it under torch.no_grad(), or train outside full_parameters()")
+            return
         if step is None and self._lent:  # a forward: whatever views lent before it were written through
             self.settle_lent()
         # the outermost forward's mode stands for what runs inside it (cache.py's Note: forwards without autograd)
@@ -316,6 +314,8 @@ class Stage3Hooks:
         return self._post_forward(self.root, args, out)
 
     def _post_forward(self, unit, args, out):
+        if self.whole:
+            return None
         # A parameter returned from its unit's forward: once its chunk is released the parameter
         # holds no data, so the caller gets a view of it instead, made before the release, which
         # keeps the gathered storage (and the values) alive for as long as the caller holds it.
