@@ -231,3 +231,23 @@ def test_a_model_compiled_whole_runs_its_graph_from_the_second_step(how):
         step(ref, x, opt)
     assert engine.compiled == [model] and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+def test_a_resumed_model_compiled_whole_runs_its_graph_from_the_first_step(tmp_path):
+    """A checkpoint fixes the layout before any forward: engine(x) compiles a root compiled whole
+    before its call, so the first step already runs the graph, as before the forward bracket."""
+    import torch._dynamo
+    model, engine, ref, opt = engine_and_reference(2, make=Whole)
+    xs = data(2)
+    step(engine, xs[0], engine.optimizer)
+    step(ref, xs[0], opt)
+    engine.save_checkpoint(str(tmp_path))
+    resumed = zeroshard.initialize(Whole(), sgd, {"stage": 2, "chunk_size": WIDTH * WIDTH + WIDTH,
+                                                  "compile": {"backend": "aot_eager"}})
+    resumed.load_checkpoint(str(tmp_path))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step(resumed, xs[1], resumed.optimizer)
+    step(ref, xs[1], opt)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert max_diff(resumed.full_state_dict(), ref.state_dict()) <= 1e-5

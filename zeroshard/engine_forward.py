@@ -102,6 +102,7 @@ class EngineForward:
             log.warning("the previous backward was interrupted; its reductions are abandoned")
             self._abandon_backward()
         self._expect_idle("forward")
+        self._compile_when_due()  # before the root's call reads its forward (a root compiled whole)
         try:
             with self._waits("run the forward"):
                 return self.module(*args, **kwargs)  # the root's hooks open and close the bracket
