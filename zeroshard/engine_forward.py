@@ -102,7 +102,10 @@ class EngineForward:
             log.warning("the previous backward was interrupted; its reductions are abandoned")
             self._abandon_backward()
         self._expect_idle("forward")
-        self._compile_when_due()  # before the root's call reads its forward (a root compiled whole)
+        # before the root's call reads its forward (a root compiled whole; the model called as
+        # itself compiles in the root's pre-hook, too late for that call: from the next one). Not as
+        # a forward ends: its backward may recompute checkpointed blocks, which must run as they ran.
+        self._compile_when_due()
         try:
             with self._waits("run the forward"):
                 return self.module(*args, **kwargs)  # the root's hooks open and close the bracket
@@ -254,7 +257,6 @@ class EngineForward:
                 return
             if opened.recording:  # re-pack in order of first use, rank 0's on every rank
                 self.fix_layout(self.layout.first_use_order(self.params))
-                self._compile_when_due()  # now: a root compiled whole is compiled from its next call
             if opened.tracking:
                 self.timeline.sample("forward")
             if self.hooks is not None and not opened.grad:  # no backward's end issues them
@@ -266,7 +268,7 @@ class EngineForward:
                 self._arrivals.resume()
 
     def _compile_when_due(self) -> None:
-        """Config `compile`: compile once the layout is final (runtime/compiled.py)."""
+        """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py)."""
         if self.layout.final and self._compiler is not None and self.compiled is None:
             targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
             if not targets:
