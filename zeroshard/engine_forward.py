@@ -95,13 +95,14 @@ def _on_stack(frame) -> bool:
 class EngineForward:
     """Engine methods of the forward bracket (module docstring)."""
 
-    _open: OpenForward | None = None
-
-    def __call__(self, *args, **kwargs):
+    def _begin_call(self, call: str) -> None:
         if self.phase is TrainingPhase.BACKWARD:  # a plain loss.backward() raised half-way
             log.warning("the previous backward was interrupted; its reductions are abandoned")
             self._abandon_backward()
-        self._expect_idle("forward")
+        self._expect_idle(call)
+
+    def __call__(self, *args, **kwargs):
+        self._begin_call("forward")
         # before the root's call reads its forward (a root compiled whole; the model called as
         # itself compiles in the root's pre-hook, too late for that call: from the next one). Not as
         # a forward ends: its backward may recompute checkpointed blocks, which must run as they ran.
@@ -120,10 +121,7 @@ class EngineForward:
         backwards, optimizer steps: Lightning's manual optimization), as one forward of the model
         that each backward, step, zero_grad and gradient clipping inside it closes and opens again
         (module docstring); returns what `fn` returns."""
-        if self.phase is TrainingPhase.BACKWARD:
-            log.warning("the previous backward was interrupted; its reductions are abandoned")
-            self._abandon_backward()
-        self._expect_idle("run_training_step()")
+        self._begin_call("run_training_step()")
         args, kwargs = self._to_device((args, kwargs))
         self._open_forward(args, kwargs, step_function=True)
         try:
