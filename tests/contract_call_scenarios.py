@@ -2,7 +2,8 @@
 plain loop, as the README shows it, against `engine(x)`. Both run the engine's forward bracket
 (engine_forward.py): at stage 3 a chunk released in forward is kept by reference for backward, not
 held by the tensors autograd saved; the model called as itself held every one of them from forward
-to backward (the whole model, where engine(x) holds its rCache).
+to backward (the whole model, where engine(x) holds its rCache). So did a loop calling the model's
+modules directly (`through_layers`), until every module holding parameters opened the bracket too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ class Stack(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
+
+
+def through_layers(model, x):
+    """The model's forward, written in the loop: each layer called directly, not the model."""
+    for layer in model.layers:
+        x = torch.tanh(layer(x))
+    return x
 
 
 class ReleasedStorages:
@@ -60,8 +68,8 @@ class ReleasedStorages:
 
 
 def called_as_itself(rank, world):
-    """Stage 3, one layer a chunk, a 1-chunk rCache: 3 steps through `engine(x)` and 3 through
-    `model(x)`, SGD with momentum against plain torch on the global batch; at each step's end of
+    """Stage 3, one layer a chunk, a 1-chunk rCache: 3 steps through `engine(x)`, 3 through
+    `model(x)` and 3 through its layers called directly, SGD with momentum against plain torch on the global batch; at each step's end of
     forward, the chunks released in that forward that are still alive."""
     g = torch.Generator().manual_seed(4)
     data = torch.randn(3, world, 4, WIDTH, generator=g)
@@ -73,7 +81,7 @@ def called_as_itself(rank, world):
         opt.zero_grad()
     out = {}
     with ReleasedStorages() as released:
-        for how in ("engine", "model"):
+        for how in ("engine", "model", "layers"):
             out[how] = _train(how, rank, data, ref, released)
     return out
 
@@ -82,7 +90,7 @@ def _train(how, rank, data, ref, released) -> dict:
     model = Stack()
     engine = zeroshard.initialize(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
                                   {"stage": 3, "chunk_size": WIDTH * WIDTH + WIDTH, "cache_chunks": 1})
-    call = engine if how == "engine" else model
+    call = {"engine": engine, "model": model, "layers": lambda x: through_layers(model, x)}[how]
     alive = []
     for step in data:
         released.clear()

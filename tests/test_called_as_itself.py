@@ -2,7 +2,8 @@
 engine's forward (engine_forward.py), in a world of one: config `compile` compiles it, the chunk
 layout is made final by its first training forward, a forward that raised (an Exception, or a
 KeyboardInterrupt, which passes torch's always-called hooks by) leaves the engine able to go on, and
-the root called inside its own forward is part of that forward. Tolerance: fp32 SGD with momentum,
+the root called inside its own forward is part of that forward; a loop calling the model's modules
+directly gets the same forward. Tolerance: fp32 SGD with momentum,
 1e-5 against plain torch (contract_call_scenarios.py has the spawned half: chunks released at stage 3).
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import zeroshard
-from contract_call_scenarios import LAYERS, WIDTH, Stack
+from contract_call_scenarios import LAYERS, WIDTH, Stack, through_layers
 from models import max_diff
 
 
@@ -253,3 +254,105 @@ def test_a_resumed_model_compiled_whole_runs_its_graph_from_the_first_step(tmp_p
     step(ref, xs[1], opt)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert max_diff(resumed.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+def through_modules(model, x):
+    """A loop calling the model's modules directly: its layers, but the last one's parameters read
+    by a functional call (as a fused loss reads `model.lm_head.weight` after `model.model(ids)`)."""
+    for layer in model.layers[:-1]:
+        x = torch.tanh(layer(x))
+    last = model.layers[-1]
+    return torch.tanh(torch.nn.functional.linear(x, last.weight, last.bias))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_layer_unfrozen_trains_where_the_loop_calls_the_modules_directly(stage):
+    """A layer frozen at initialize and unfrozen after the first step trains from then on, as in
+    torch, where the loop calls the model's modules rather than the model. Before, only the model's
+    own forward followed unfreezing: the layer never trained (1.2e-2 off torch after 4 steps, every
+    stage). The layout is made final by the first such forward, as by the model's."""
+    model, engine, ref, opt = engine_and_reference(stage, cache_chunks=2)
+    for m in (model, ref):
+        m.layers[1].requires_grad_(False)
+    for i, x in enumerate(data(4)):
+        if i == 1:
+            for m in (model, ref):
+                m.layers[1].requires_grad_(True)
+        step(lambda x: through_modules(model, x), x, engine.optimizer)
+        step(ref, x, opt)
+        assert engine.layout.final
+    assert not (stage == 3 and engine.cache.recording)
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_config_compile_compiles_the_layers_called_directly(stage):
+    """Config compile compiles the layer blocks once the first forward of a layer called directly
+    made the layout final (before: nothing compiled, silently)."""
+    model, engine, ref, opt = engine_and_reference(stage, compile={"backend": "aot_eager"})
+    for x in data():
+        step(lambda x: through_layers(model, x), x, engine.optimizer)
+        step(ref, x, opt)
+    assert engine.compiled is not None and len(engine.compiled) == LAYERS, engine.compiled
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_an_evaluation_of_a_module_called_directly_leaves_training_as_torchs(stage):
+    """A module called directly under no_grad between steps (an evaluation of the backbone) gives
+    torch's output, and training through the model goes on as torch's."""
+    model, engine, ref, opt = engine_and_reference(stage, cache_chunks=1)
+    for x in data():
+        with torch.no_grad():
+            assert torch.allclose(model.layers[0](x), ref.layers[0](x), atol=1e-6, rtol=0)
+        step(model, x, engine.optimizer)
+        step(ref, x, opt)
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_module_called_directly_that_raised_leaves_the_engine_able_to_go_on(stage, caplog):
+    """A layer called directly raises (an input of the wrong width): its forward is closed at the
+    next entry point, with a warning, and training goes on as torch's."""
+    model, engine, ref, opt = engine_and_reference(stage, cache_chunks=1)
+    xs = data(3)
+    with pytest.raises(RuntimeError):
+        through_layers(model, xs[0][:, :3])
+    with caplog.at_level(logging.WARNING, logger="zeroshard"):
+        engine.optimizer.zero_grad()
+        for x in xs:
+            step(lambda x: through_layers(model, x), x, engine.optimizer)
+            step(ref, x, opt)
+    assert "interrupted" in caplog.text
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
+
+
+class HeadFirst(torch.nn.Module):
+    """Its head is declared before the layers it follows: the first training forward re-packs the
+    chunks in order of use."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(2))
+
+    def forward(self, x):
+        return self.head(through_layers(self, x))
+
+
+@pytest.mark.parametrize("how", ["model", "modules", "model_twice"])
+def test_a_pass_of_several_forwards_follows_the_schedule(how):
+    """Stage 3, a layer a chunk, a 1-chunk rCache: a pass of several forwards (the head called after
+    the layers, each directly; the model called twice for one loss) follows the schedule recorded
+    over such a pass, departing from it nowhere. Before, each forward replayed it from its start and
+    the first pass's re-pack left it recorded over two layouts: 5 departures a step through the
+    modules, 2 through the model twice."""
+    model, engine, ref, opt = engine_and_reference(3, make=HeadFirst, cache_chunks=1)
+    calls = {"model": lambda m: m, "modules": lambda m: lambda x: m.head(through_layers(m, x)),
+             "model_twice": lambda m: lambda x: m(x) + m(x)}[how]
+    for x in data(4):
+        step(calls(model), x, engine.optimizer)
+        step(calls(ref), x, opt)
+    assert not engine.cache.recording and engine.stats()["schedule_departures"] == 0, engine.stats()
+    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5

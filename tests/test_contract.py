@@ -383,7 +383,8 @@ def test_a_plain_loop_steps_through_the_users_own_optimizer(res, opt, stage):
 
 
 def test_the_model_called_as_itself_runs_the_engines_forward(res):
-    """`model(x)` in a plain loop (as the README shows it) at stage 3: trained as torch, the chunk
+    """`model(x)` in a plain loop (as the README shows it), and its layers called directly, at stage
+    3: trained as torch, the chunk
     layout final and the schedule recorded after the first step, and no chunk released in a forward
     held until backward (the first forward, which may re-pack the chunks, saves them as they are,
     on either path). Before, `model(x)` held every released chunk each step and kept recording."""
@@ -394,3 +395,7 @@ def test_the_model_called_as_itself_runs_the_engines_forward(res):
         assert got[how]["chunks"] == LAYERS and not got[how]["recording"], got
     assert got["model"]["alive"] == got["engine"]["alive"], got
     assert got["engine"]["alive"][0] > 0 and got["engine"]["alive"][1:] == [0, 0], got
+    # its layers called directly, each its own forward (by reference from the second, the first
+    # re-packing as it ends); before, every step held the chunks released in each forward
+    assert got["layers"]["diff"] <= TOL["sgd"] and got["layers"]["alive"] == [0, 0, 0], got
+    assert got["layers"]["chunks"] == LAYERS and not got["layers"]["recording"], got

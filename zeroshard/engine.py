@@ -81,6 +81,7 @@ class Engine(EngineForward, EngineIO):
         # the chunks as thawed; closed after the units' hooks, even where the forward raised.
         module.register_forward_pre_hook(weak_method(self._forward_begins), prepend=True, with_kwargs=True)
         module.register_forward_hook(weak_method(self._forward_ends), with_kwargs=True, always_call=True)
+        self._hook_direct_calls(module)
         if self._arrivals is not None:  # its guard must not outlive the engine on the mode stack
             weakref.finalize(self, self._arrivals.settle)
         if self.optim.tier is not None:  # the tier's files go with the engine, or at a normal exit
@@ -100,6 +101,7 @@ class Engine(EngineForward, EngineIO):
         self._sync = True  # False inside no_sync()
         self._open = None  # the forward open now (engine_forward.OpenForward)
         self._warned_callers_hooks = False
+        self._pass_began = False  # a forward recording gradients ran since the last backward or step
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()
@@ -109,7 +111,7 @@ class Engine(EngineForward, EngineIO):
     def _follow_schedule(self) -> None:
         """Record the chunk sequence over the first micro-batch, or follow the profiled one."""
         self.cache.restart_recording()
-        self._micro_layout_final = False
+        self._micro_layout_final = False  # the layout was final as this pass's first forward began
         if self.profile is not None:  # packed in profiled first-use order; follow the profiled schedule
             self.fix_layout()
             self.cache.set_schedule(profiled_sequence(self.profile, self.module, self.layout.chunks_of))
@@ -209,7 +211,7 @@ class Engine(EngineForward, EngineIO):
         if self.hooks is not None:
             self.hooks.end_backward()
         self.reducer.abandon(self.chunks)
-        self.phase = TrainingPhase.IDLE
+        self.phase, self._pass_began = TrainingPhase.IDLE, False
 
     def _end_backward(self) -> None:
         invariant(self.phase is TrainingPhase.BACKWARD, lambda: f"a backward ended in {self.phase}")
@@ -218,7 +220,7 @@ class Engine(EngineForward, EngineIO):
         self.reducer.end(self.chunks)
         self.micro_steps += 1
         self.grads_pending = True
-        self.phase = TrainingPhase.IDLE
+        self.phase, self._pass_began = TrainingPhase.IDLE, False
         if self.timeline is not None:
             self.timeline.sample("backward")
         if self.cache.recording and self._micro_layout_final:
@@ -277,7 +279,7 @@ class Engine(EngineForward, EngineIO):
                 applied = self.optim.step()
             failed = False
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
-            self.phase = TrainingPhase.IDLE
+            self.phase, self._pass_began = TrainingPhase.IDLE, False
             self.optim.zero_grads()
             self.reducer.cleared()
             self.grads_pending = False

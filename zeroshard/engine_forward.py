@@ -15,6 +15,31 @@ model called as itself used to get a few of these in a pre-hook: at stage 3 each
 through the tensors autograd saved (the whole model, where engine(...) holds its rCache), never
 left recording the schedule (no prefetch), and config `compile` compiled nothing.
 
+Note: a module called directly. A plain loop may call a module of the wrapped model rather than the
+model (`h = model.backbone(x); out = model.head(h)`, or `model.model(ids)` before a fused loss over
+`model.lm_head.weight`). Every module holding parameters opens the bracket too where none is open,
+and closes it as its own call ends, but those inside a layer block (units.layer_blocks; the blocks
+themselves do): a hooked module leaves torch's fast call path, about 4 us a call here (a Linear
+inside an open forward, 15.5 -> 19.2 us), so gpt2-tiny's 9 such calls add some 35 us a forward,
+where its 42 modules with parameters would add 0.16 ms. Before, such a loop got no bracket, so at
+stage 3 each step held the whole model from forward to backward (44 of 48 MiB with a layer a
+chunk and a 2-chunk rCache, against 2 through the model), a parameter unfrozen after initialize
+never trained at any stage (it got no gradient hook: 1.2e-2 off torch after 4 steps), and nothing
+compiled. Not always called: dynamo guards on each module's always-called hook ids, so a block
+compiled by its user would be compiled anew for each layer; a forward that raised is closed at the
+next call or entry point instead. Inside an open forward, a backward or a compiled graph the
+hooks do nothing.
+
+Note: forwards of one pass. A pass is what one backward differentiates: the forwards recording
+gradients since the last backward or step. Its first forward replays the schedule from its start;
+a later one (the head after the backbone, called directly; the model called twice for one loss)
+goes on from where the one before left it, as the schedule recorded over such a pass has them
+one after the other. A forward without autograd (an evaluation) replays it from its start. The
+schedule is recorded over a pass whose first forward found the layout final: before, the second
+forward of the first pass (the first re-packed the chunks as it ended) had it recorded over
+chunk indices of both layouts, and every later step departed from it (5 departures a step with
+the head called after the backbone, 2 with the model called twice; now none).
+
 Note: a training step function. Lightning's manual optimization runs a whole training step inside
 what the engine sees as one call (`run_training_step`): forwards of the model's modules, backwards,
 optimizer steps. Each backward, step, zero_grad and gradient clipping inside it closes the open
@@ -36,6 +61,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import weakref
 
 import torch
 import torch.nn as nn
@@ -45,6 +71,7 @@ from .engine_io import TrainingPhase
 from .errors import ConfigError, EngineCallError
 from .runtime.compiled import compile_model, compile_targets
 from .runtime.module_state import check_not_moved
+from .units import layer_blocks
 
 log = logging.getLogger("zeroshard")
 
@@ -63,6 +90,7 @@ class OpenForward:
     step_function: bool = False  # run_training_step's: backwards and steps inside it (module docstring)
     nested: int = 0
     hooked: bool = False  # the engine's saved-tensor hooks are on for it
+    module: nn.Module | None = None  # the module called directly that opened it (Note: a module called directly)
 
 
 def _root_call_frame():
@@ -191,9 +219,58 @@ class EngineForward:
         self._close_forward(failed=sys.exc_info()[1] is not opened.exception)
         return None
 
+    def _hook_direct_calls(self, model: nn.Module) -> None:
+        """Every module of `model` holding parameters, the root and the modules inside a layer block
+        aside, opens the bracket where it is called directly (Note: a module called directly): first
+        among its forward pre-hooks, last among its forward hooks. The hooks hold the engine weakly and, inside a compiled graph,
+        return before reading it (no guard on the engine's state); the forward hook is not
+        always called (the Note says why)."""
+        engine = weakref.ref(self)
+
+        def begins(module, args, kwargs):
+            if torch.compiler.is_compiling():
+                return None
+            e = engine()
+            return None if e is None else e._module_forward_begins(module, args, kwargs)
+
+        def ends(module, args, kwargs, output):
+            if torch.compiler.is_compiling():
+                return None
+            e = engine()
+            if e is not None:
+                e._module_forward_ends(module)
+            return None
+        inside = {id(m) for b in layer_blocks(model) for m in b.modules() if m is not b}
+        for m in model.modules():
+            if m is not model and id(m) not in inside and next(m.parameters(), None) is not None:
+                m.register_forward_pre_hook(begins, prepend=True, with_kwargs=True)
+                m.register_forward_hook(ends, with_kwargs=True)
+
+    def _module_forward_begins(self, module: nn.Module, args: tuple, kwargs: dict):
+        """A module's forward pre-hook: opens the bracket for a module called directly, where no
+        forward is open and the engine is idle; returns its inputs on the device in the compute dtype."""
+        self._close_stale_forward()
+        if self._open is not None or self.phase is not TrainingPhase.IDLE \
+                or torch._C._current_graph_task_id() != -1:
+            return None
+        if self.hooks is None:
+            check_not_moved(self.chunks)
+        args, kwargs = self._to_device((args, kwargs))
+        self._open_forward(args, kwargs, opener=module)
+        return args, kwargs
+
+    def _module_forward_ends(self, module: nn.Module) -> None:
+        """A module's always-called forward hook: closes the bracket its call opened (not one of a
+        call of it nested inside that one)."""
+        opened = self._open
+        if opened is None or opened.module is not module or _root_call_frame() is not opened.frame:
+            return
+        self._close_forward(failed=sys.exc_info()[1] is not opened.exception)
+
     def _open_forward(self, args: tuple, kwargs: dict, step_function: bool = False, frame=None,
-                      prefetch: bool = True) -> None:
+                      prefetch: bool = True, opener: nn.Module | None = None) -> None:
         grad = torch.is_grad_enabled()
+        first = not (grad and self._pass_began)  # of the pass (Note: forwards of one pass), or without autograd
         if grad:
             self._follow_requires_grad()
         self.shards.at(pass_index=self.micro_steps)
@@ -201,19 +278,23 @@ class EngineForward:
         opened = OpenForward(frame or (sys._getframe(1) if step_function else _root_call_frame()),
                              recording=self.layout.recorder is not None and training,
                              tracking=self.timeline is not None and self.timeline.recording, grad=grad,
-                             exception=sys.exc_info()[1], step_function=step_function)
+                             exception=sys.exc_info()[1], step_function=step_function, module=opener)
         self.phase, self._open = TrainingPhase.FORWARD, opened
         try:
-            if training and frame is None:  # a training step function counts its inputs once
+            # a training step function counts its inputs once, modules called directly once a pass
+            if training and frame is None and (opener is None or first):
                 self.meter.forward(args, kwargs)
-            self._micro_layout_final = self.layout.final
+            if grad and first:  # a schedule recorded over the pass is of its first forward's layout
+                self._micro_layout_final = self.layout.final
+            self._pass_began = self._pass_began or grad
             self._compile_when_due()
             if self.hooks is not None:
                 self.hooks.close_open_forwards()
                 self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
-                self.cache.rewind(prefetch)  # every forward (micro-batch or evaluation) replays the schedule
+                if first:
+                    self.cache.rewind(prefetch)
             if grad and self.saved.needed(self.timeline) and not self._callers_saved_hooks():
-                self.saved.begin_forward(self.timeline, by_reference=self._micro_layout_final)
+                self.saved.begin_forward(self.timeline, by_reference=self.layout.final)
                 opened.hooked = True
         except BaseException:
             self._close_forward(failed=True)
