@@ -30,6 +30,12 @@ compiled by its user would be compiled anew for each layer; a forward that raise
 next call or entry point instead. Inside an open forward, a backward or a compiled graph the
 hooks do nothing.
 
+Note: training in eval mode. A forward recording gradients trains, whatever the module's mode:
+fine-tuning code calls model.eval() to turn dropout off or keep BatchNorm's statistics. It used
+to count as training only in train mode, so a model trained in eval mode kept its layout
+unfinished: at stage 3 the rCache recorded the schedule every step (no prefetch, LRU eviction),
+config compile compiled nothing, and its samples went uncounted.
+
 Note: forwards of one pass. A pass is what one backward differentiates: the forwards recording
 gradients since the last backward or step. Its first forward replays the schedule from its start;
 a later one (the head after the backbone, called directly; the model called twice for one loss)
@@ -274,15 +280,14 @@ class EngineForward:
         if grad:
             self._follow_requires_grad()
         self.shards.at(pass_index=self.micro_steps)
-        training = grad and self.module.training
         opened = OpenForward(frame or (sys._getframe(1) if step_function else _root_call_frame()),
-                             recording=self.layout.recorder is not None and training,
+                             recording=self.layout.recorder is not None and grad,
                              tracking=self.timeline is not None and self.timeline.recording, grad=grad,
                              exception=sys.exc_info()[1], step_function=step_function, module=opener)
         self.phase, self._open = TrainingPhase.FORWARD, opened
         try:
             # a training step function counts its inputs once, modules called directly once a pass
-            if training and frame is None and (opener is None or first):
+            if grad and frame is None and (opener is None or first):
                 self.meter.forward(args, kwargs)
             if grad and first:  # a schedule recorded over the pass is of its first forward's layout
                 self._micro_layout_final = self.layout.final
