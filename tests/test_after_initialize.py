@@ -177,16 +177,18 @@ def test_a_model_whose_engine_is_gone_trains_as_plain_torch(stage):
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_gradient_the_engine_did_not_see_raises_at_the_step(stage):
-    """A parameter frozen at initialize, unfrozen, then given a gradient through a submodule called
-    by itself (the engine follows unfreezing when the model is called): the step changed nothing,
-    silently. Now EngineCallError, the .grad cleared; so does a .grad set by hand with no backward."""
+    """A parameter frozen at initialize, unfrozen, then given a gradient outside every forward (read
+    by a functional call; the engine follows unfreezing as a forward of the model or of a module of
+    it opens): the step changed nothing, silently. Now EngineCallError, the .grad cleared; so does a
+    .grad set by hand with no backward. (A submodule called by itself used to be such a use: it now
+    opens a forward, and trains: test_called_as_itself.py.)"""
     model = Net()
     model.inp.requires_grad_(False)
     engine = wrap(model, stage)
     model.inp.requires_grad_(True)
     x = torch.randn(3, 4)
     before = snapshot(engine)
-    model.inp(x).pow(2).mean().backward()
+    torch.nn.functional.linear(x, model.inp.weight, model.inp.bias).pow(2).mean().backward()
     with pytest.raises(zeroshard.EngineCallError, match=r"inp.weight \(2 parameters\) was frozen at initialize and "
                                                         "unfrozen since"):
         engine.step()

@@ -136,6 +136,8 @@ class EngineForward:
         self._expect_idle(call)
 
     def __call__(self, *args, **kwargs):
+        if self.phase is TrainingPhase.FULL_PARAMETERS:  # an evaluation on the whole values, as model(x) runs
+            return self.module(*args, **kwargs)
         self._begin_call("forward")
         # before the root's call reads its forward (a root compiled whole; the model called as
         # itself compiles in the root's pre-hook, too late for that call: from the next one). Not as
@@ -202,14 +204,14 @@ class EngineForward:
     def _forward_begins(self, module: nn.Module, args: tuple, kwargs: dict):
         """The root's forward pre-hook: opens the bracket (module docstring) where the engine is
         idle; returns the inputs on the device in the compute dtype."""
-        if self.hooks is None:  # stages 0-2: the parameters still view their chunks
-            check_not_moved(self.chunks)
         self._close_stale_forward()
         if self._open is not None:  # the root called inside its own forward
             self._open.nested += 1
             return None
         if self.phase is not TrainingPhase.IDLE or torch._C._current_graph_task_id() != -1:
             return None  # inside full_parameters(), a backward's recomputation (torch.utils.checkpoint)
+        if self.hooks is None:  # stages 0-2: the parameters still view their chunks (not inside
+            check_not_moved(self.chunks)  # full_parameters(), whose whole fp32 values they hold)
         args, kwargs = self._to_device((args, kwargs))
         self._open_forward(args, kwargs)
         return args, kwargs

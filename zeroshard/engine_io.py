@@ -187,7 +187,8 @@ class EngineIO:
         if self.phase is not TrainingPhase.IDLE:
             raise EngineCallError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
         self._quiesce()
-        with full_parameters(self.layout, self.hooks, self.params, writeback):
+        with full_parameters(self.layout, self.hooks, self.params, writeback), \
+                (self._casts.off() if self._casts is not None else contextlib.nullcontext()):
             self.phase = TrainingPhase.FULL_PARAMETERS
             try:
                 yield

@@ -14,6 +14,8 @@ rest, set in the config (as FSDP2's MixedPrecisionPolicy sets it per module):
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
@@ -45,10 +47,23 @@ class InputCasts:
 
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.dtype = dtype
+        self.on = True
         self._handles = [m.register_forward_pre_hook(self._cast, with_kwargs=True)
                          for m in model.modules() if m is not model and direct_params(m)]
 
+    @contextlib.contextmanager
+    def off(self):
+        """Inside it inputs keep their dtype: inside full_parameters() the parameters hold fp32 values,
+        which a 16-bit input cannot meet (a forward there raised torch's dtype mismatch)."""
+        before, self.on = self.on, False
+        try:
+            yield
+        finally:
+            self.on = before
+
     def _cast(self, module, args, kwargs):
+        if not self.on:
+            return None
         dtype = self.dtype
         return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype
                              else t, (args, kwargs))
