@@ -101,7 +101,10 @@ class Engine(EngineForward, EngineIO):
         self._sync = True  # False inside no_sync()
         self._open = None  # the forward open now (engine_forward.OpenForward)
         self._warned_callers_hooks = False
-        self._pass_began = False  # a forward recording gradients ran since the last backward or step
+        # the pass under way (engine_forward.py's Note: forwards of one pass): None, or whether its
+        # first forward recording gradients ran in train mode
+        self._pass_training: bool | None = None
+        self._forward_recorded = False  # a forward recording gradients, in any mode, since the last backward or step
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()
@@ -132,6 +135,7 @@ class Engine(EngineForward, EngineIO):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (the mean loss of this rank's micro-batch). `loss.backward()` does the
         same except with fp16, whose loss scaling needs this method."""
+        self._close_stale_forward()
         if self.phase is not TrainingPhase.IDLE:
             raise EngineCallError(f"zeroshard: backward() called while the engine is in {self.phase.value} (an "
                                "earlier backward was interrupted, or backward was called inside forward)")
@@ -185,6 +189,7 @@ class Engine(EngineForward, EngineIO):
                 raise EngineCallError("zeroshard: loss.backward() inside a training step function (Lightning's "
                                       "manual optimization): call self.manual_backward(loss), or the backward "
                                       "inside engine.between_forwards()")
+            self._close_stale_forward()  # a module called directly that raised (engine_forward.py)
             if self.phase is not TrainingPhase.IDLE:
                 raise EngineCallError(f"zeroshard: a backward started while the engine is in {self.phase.value}")
             # Autograd runs this once the whole backward pass is done, before backward() returns.
@@ -211,7 +216,7 @@ class Engine(EngineForward, EngineIO):
         if self.hooks is not None:
             self.hooks.end_backward()
         self.reducer.abandon(self.chunks)
-        self.phase, self._pass_began = TrainingPhase.IDLE, False
+        self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
 
     def _end_backward(self) -> None:
         invariant(self.phase is TrainingPhase.BACKWARD, lambda: f"a backward ended in {self.phase}")
@@ -220,7 +225,7 @@ class Engine(EngineForward, EngineIO):
         self.reducer.end(self.chunks)
         self.micro_steps += 1
         self.grads_pending = True
-        self.phase, self._pass_began = TrainingPhase.IDLE, False
+        self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
         if self.timeline is not None:
             self.timeline.sample("backward")
         if self.cache.recording and self._micro_layout_final:
@@ -279,7 +284,7 @@ class Engine(EngineForward, EngineIO):
                 applied = self.optim.step()
             failed = False
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
-            self.phase, self._pass_began = TrainingPhase.IDLE, False
+            self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
             self.optim.zero_grads()
             self.reducer.cleared()
             self.grads_pending = False

@@ -25,9 +25,11 @@ where its 42 modules with parameters would add 0.16 ms. Before, such a loop got 
 stage 3 each step held the whole model from forward to backward (44 of 48 MiB with a layer a
 chunk and a 2-chunk rCache, against 2 through the model), a parameter unfrozen after initialize
 never trained at any stage (it got no gradient hook: 1.2e-2 off torch after 4 steps), and nothing
-compiled. Not always called: dynamo guards on each module's always-called hook ids, so a block
-compiled by its user would be compiled anew for each layer; a forward that raised is closed at the
-next call or entry point instead. Inside an open forward, a backward or a compiled graph the
+compiled. Its forward hook is always called, so a forward that raised closes (a first version's
+was not, as dynamo guards on each module's always-called hook ids: a block its user compiles is
+compiled anew for each layer; but a forward left open kept the engine's saved-tensor hooks pushed,
+and where its engine was dropped, every later engine in the process found them, took them for
+the caller's and pushed none: activation offload copied nothing). Inside an open forward, a backward or a compiled graph the
 hooks do nothing.
 
 Note: training in eval mode. A forward recording gradients trains, whatever the module's mode:
@@ -37,14 +39,23 @@ unfinished: at stage 3 the rCache recorded the schedule every step (no prefetch,
 config compile compiled nothing, and its samples went uncounted.
 
 Note: forwards of one pass. A pass is what one backward differentiates: the forwards recording
-gradients since the last backward or step. Its first forward replays the schedule from its start;
-a later one (the head after the backbone, called directly; the model called twice for one loss)
-goes on from where the one before left it, as the schedule recorded over such a pass has them
-one after the other. A forward without autograd (an evaluation) replays it from its start. The
-schedule is recorded over a pass whose first forward found the layout final: before, the second
-forward of the first pass (the first re-packed the chunks as it ended) had it recorded over
-chunk indices of both layouts, and every later step departed from it (5 departures a step with
-the head called after the backbone, 2 with the model called twice; now none).
+gradients since the last backward or step. Its first forward in train mode replays the schedule
+from its start; a later one (the head after the backbone, called directly; the model called twice
+for one loss) goes on from where the one before left it, as the schedule recorded over such a pass
+has them one after the other. A forward without autograd replays it from its start where no pass
+is under way (an evaluation between steps), and leaves it alone inside one (a look at the head
+under no_grad half-way: its uses are not followed, cache.py). Forwards recording gradients in eval
+mode make a pass of their own, which the next forward in train mode ends, replaying the schedule
+from its start: an evaluation that forgot no_grad drops its graph unused, and would otherwise
+leave the next training step going on from its end, off the schedule; inside a training pass
+(a teacher in eval mode) they go on with it. A schedule being recorded starts afresh with each
+pass: one dropped unused (that evaluation after the first step) was recorded with the next, and
+every later step departed from it. The schedule is recorded over a pass whose first forward found the layout final: before,
+the second forward of the first pass (the first re-packed the chunks as it ended) had it recorded
+over chunk indices of both layouts, and every later step departed from it (5 departures a step
+with the head called after the backbone, 2 with the model called twice; now none). Config compile
+compiles only with no pass under way. A pass of modules called directly is re-packed in the order
+its first forward used them, the rest in the model's order (not the whole pass's order of use).
 
 Note: a training step function. Lightning's manual optimization runs a whole training step inside
 what the engine sees as one call (`run_training_step`): forwards of the model's modules, backwards,
@@ -231,8 +242,7 @@ class EngineForward:
         """Every module of `model` holding parameters, the root and the modules inside a layer block
         aside, opens the bracket where it is called directly (Note: a module called directly): first
         among its forward pre-hooks, last among its forward hooks. The hooks hold the engine weakly and, inside a compiled graph,
-        return before reading it (no guard on the engine's state); the forward hook is not
-        always called (the Note says why)."""
+        return before reading it (no guard on the engine's state)."""
         engine = weakref.ref(self)
 
         def begins(module, args, kwargs):
@@ -252,20 +262,21 @@ class EngineForward:
         for m in model.modules():
             if m is not model and id(m) not in inside and next(m.parameters(), None) is not None:
                 m.register_forward_pre_hook(begins, prepend=True, with_kwargs=True)
-                m.register_forward_hook(ends, with_kwargs=True)
+                m.register_forward_hook(ends, with_kwargs=True, always_call=True)
 
     def _module_forward_begins(self, module: nn.Module, args: tuple, kwargs: dict):
         """A module's forward pre-hook: opens the bracket for a module called directly, where no
-        forward is open and the engine is idle; returns its inputs on the device in the compute dtype."""
+        forward is open and the engine is idle."""
         self._close_stale_forward()
         if self._open is not None or self.phase is not TrainingPhase.IDLE \
                 or torch._C._current_graph_task_id() != -1:
             return None
         if self.hooks is None:
             check_not_moved(self.chunks)
-        args, kwargs = self._to_device((args, kwargs))
+        # its inputs as given: the root's are cast and moved, a module's called directly are not (a
+        # list it appends to stays the caller's; cast_forward_inputs casts those of its parameterised modules)
         self._open_forward(args, kwargs, opener=module)
-        return args, kwargs
+        return None
 
     def _module_forward_ends(self, module: nn.Module) -> None:
         """A module's always-called forward hook: closes the bracket its call opened (not one of a
@@ -278,7 +289,11 @@ class EngineForward:
     def _open_forward(self, args: tuple, kwargs: dict, step_function: bool = False, frame=None,
                       prefetch: bool = True, opener: nn.Module | None = None) -> None:
         grad = torch.is_grad_enabled()
-        first = not (grad and self._pass_began)  # of the pass (Note: forwards of one pass), or without autograd
+        training = grad and self.module.training
+        # Note: forwards of one pass
+        rewind = self._pass_training is None or (training and not self._pass_training)
+        begins = grad and rewind  # a pass
+        first_recorded = grad and not self._forward_recorded
         if grad:
             self._follow_requires_grad()
         self.shards.at(pass_index=self.micro_steps)
@@ -288,17 +303,20 @@ class EngineForward:
                              exception=sys.exc_info()[1], step_function=step_function, module=opener)
         self.phase, self._open = TrainingPhase.FORWARD, opened
         try:
-            # a training step function counts its inputs once, modules called directly once a pass
-            if grad and frame is None and (opener is None or first):
+            if first_recorded and frame is None:  # a pass's inputs, once (a training step function's too)
                 self.meter.forward(args, kwargs)
-            if grad and first:  # a schedule recorded over the pass is of its first forward's layout
+            if begins:  # a schedule recorded over the pass is of its first forward's layout
                 self._micro_layout_final = self.layout.final
-            self._pass_began = self._pass_began or grad
             self._compile_when_due()
+            if grad and (self._pass_training is None or training):
+                self._pass_training = training
+            self._forward_recorded = self._forward_recorded or grad
             if self.hooks is not None:
                 self.hooks.close_open_forwards()
                 self.shards.issue_handed_over()  # ordering.py's Note: prefetches handed over
-                if first:
+                if begins and self.cache.recording:  # over this pass alone, not one dropped unused
+                    self.cache.restart_recording()
+                if rewind:
                     self.cache.rewind(prefetch)
             if grad and self.saved.needed(self.timeline) and not self._callers_saved_hooks():
                 self.saved.begin_forward(self.timeline, by_reference=self.layout.final)
@@ -340,6 +358,8 @@ class EngineForward:
                 log.warning("zeroshard: saved-tensor hooks pushed after an interrupted forward of the model are "
                             "still on: the engine's stay under them until its next forward")
             if failed:
+                if self.hooks is not None:  # units whose forward the exception cut short: unpinned
+                    self.hooks.close_open_forwards()
                 return
             if opened.recording:  # re-pack in order of first use, rank 0's on every rank
                 self.fix_layout(self.layout.first_use_order(self.params))
@@ -354,8 +374,10 @@ class EngineForward:
                 self._arrivals.resume()
 
     def _compile_when_due(self) -> None:
-        """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py)."""
-        if self.layout.final and self._compiler is not None and self.compiled is None:
+        """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py),
+        with no pass under way: its backward may recompute checkpointed blocks, which must run as its
+        forwards ran them (Note: forwards of one pass)."""
+        if self.layout.final and self._compiler is not None and self.compiled is None and not self._forward_recorded:
             targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
             if not targets:
                 log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "

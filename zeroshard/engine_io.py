@@ -184,8 +184,7 @@ class EngineIO:
         `model.load_state_dict` writes them). Holds the whole model in fp32 on every rank while open;
         the model's forward under torch.no_grad() runs on those values, but no training forward,
         backward or step inside it (FSDP's summon_full_params, DeepSpeed's GatheredParameters)."""
-        if self.phase is not TrainingPhase.IDLE:
-            raise EngineCallError(f"zeroshard: full_parameters() entered while the engine is in {self.phase.value}")
+        self._expect_idle("full_parameters()")
         self._quiesce()
         with full_parameters(self.layout, self.hooks, self.params, writeback), \
                 (self._casts.off() if self._casts is not None else contextlib.nullcontext()):
