@@ -287,18 +287,6 @@ def test_a_layer_unfrozen_trains_where_the_loop_calls_the_modules_directly(stage
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_config_compile_compiles_the_layers_called_directly(stage):
-    """Config compile compiles the layer blocks once the first forward of a layer called directly
-    made the layout final (before: nothing compiled, silently)."""
-    model, engine, ref, opt = engine_and_reference(stage, compile={"backend": "aot_eager"})
-    for x in data():
-        step(lambda x: through_layers(model, x), x, engine.optimizer)
-        step(ref, x, opt)
-    assert engine.compiled is not None and len(engine.compiled) == LAYERS, engine.compiled
-    assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
-
-
-@pytest.mark.parametrize("stage", [0, 3])
 def test_an_evaluation_of_a_module_called_directly_leaves_training_as_torchs(stage):
     """A module called directly under no_grad between steps (an evaluation of the backbone) gives
     torch's output, and training through the model goes on as torch's."""
@@ -422,15 +410,20 @@ def backbone_then_head(model, x):
     return model.head(model.backbone(x))
 
 
+@pytest.mark.parametrize("how", ["layers", "checkpointed_backbone_then_head"])
 @pytest.mark.parametrize("stage", [0, 3])
-def test_blocks_compile_between_passes_not_inside_one(stage):
-    """Config compile with checkpointed layers and the backbone and head called directly: the blocks
-    compile as the next pass begins, so the backward recomputes them as its forward ran them. The
-    first version of this bracket compiled them as the head's forward opened, after the backbone's had
-    run them eager: the first backward raised CheckpointError (recomputed values of other metadata)."""
-    model, engine, ref, opt = engine_and_reference(stage, make=CheckpointedBackbone, compile={"backend": "aot_eager"})
+def test_config_compile_compiles_the_modules_called_directly(stage, how):
+    """Config compile compiles the layer blocks once the first forward of a module called directly
+    made the layout final (before: nothing compiled, silently), and between passes, not inside one:
+    with checkpointed layers and the backbone and head called directly, the backward recomputes the
+    blocks as its forward ran them. The first version of this bracket compiled them as the head's
+    forward opened, after the backbone's had run them eager: the first backward raised
+    CheckpointError (recomputed values of other metadata)."""
+    make, call = {"layers": (Stack, through_layers),
+                  "checkpointed_backbone_then_head": (CheckpointedBackbone, backbone_then_head)}[how]
+    model, engine, ref, opt = engine_and_reference(stage, make=make, compile={"backend": "aot_eager"})
     for x in data():
-        step(lambda x: backbone_then_head(model, x), x, engine.optimizer)
+        step(lambda x: call(model, x), x, engine.optimizer)
         step(ref, x, opt)
     assert engine.compiled is not None and len(engine.compiled) == LAYERS, engine.compiled
     assert max_diff(engine.full_state_dict(), ref.state_dict()) <= 1e-5
