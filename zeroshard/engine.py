@@ -102,9 +102,9 @@ class Engine(EngineForward, EngineIO):
         self._open = None  # the forward open now (engine_forward.OpenForward)
         self._warned_callers_hooks = False
         # the pass under way (engine_forward.py's Note: forwards of one pass): None, or whether its
-        # first forward recording gradients ran in train mode
-        self._pass_training: bool | None = None
-        self._forward_recorded = False  # a forward recording gradients, in any mode, since the last backward or step
+        # first forward recording gradients ran in train mode; and whether any forward recorded
+        # gradients since the last backward or step
+        self._end_pass()
         self.steps = 0
         self._stats = {}
         self.meter = StepMeter()
@@ -216,7 +216,8 @@ class Engine(EngineForward, EngineIO):
         if self.hooks is not None:
             self.hooks.end_backward()
         self.reducer.abandon(self.chunks)
-        self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
+        self.phase = TrainingPhase.IDLE
+        self._end_pass()
 
     def _end_backward(self) -> None:
         invariant(self.phase is TrainingPhase.BACKWARD, lambda: f"a backward ended in {self.phase}")
@@ -225,7 +226,8 @@ class Engine(EngineForward, EngineIO):
         self.reducer.end(self.chunks)
         self.micro_steps += 1
         self.grads_pending = True
-        self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
+        self.phase = TrainingPhase.IDLE
+        self._end_pass()
         if self.timeline is not None:
             self.timeline.sample("backward")
         if self.cache.recording and self._micro_layout_final:
@@ -284,7 +286,8 @@ class Engine(EngineForward, EngineIO):
                 applied = self.optim.step()
             failed = False
         finally:  # nothing of a step's gradients, failed or not, carries into the next one
-            self.phase, self._pass_training, self._forward_recorded = TrainingPhase.IDLE, None, False
+            self.phase = TrainingPhase.IDLE
+            self._end_pass()
             self.optim.zero_grads()
             self.reducer.cleared()
             self.grads_pending = False

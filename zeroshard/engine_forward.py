@@ -26,11 +26,9 @@ stage 3 each step held the whole model from forward to backward (44 of 48 MiB wi
 chunk and a 2-chunk rCache, against 2 through the model), a parameter unfrozen after initialize
 never trained at any stage (it got no gradient hook: 1.2e-2 off torch after 4 steps), and nothing
 compiled. Its forward hook is always called, so a forward that raised closes (a first version's
-was not, as dynamo guards on each module's always-called hook ids: a block its user compiles is
-compiled anew for each layer; but a forward left open kept the engine's saved-tensor hooks pushed,
-and where its engine was dropped, every later engine in the process found them, took them for
-the caller's and pushed none: activation offload copied nothing). Inside an open forward, a backward or a compiled graph the
-hooks do nothing.
+was not, sparing user-compiled blocks dynamo's guard on each hook id; an open forward kept the
+saved-tensor hooks pushed, and once its engine was dropped later engines took them for the caller's
+and pushed none). Inside an open forward, a backward or a compiled graph the hooks do nothing.
 
 Note: training in eval mode. A forward recording gradients trains, whatever the module's mode:
 fine-tuning code calls model.eval() to turn dropout off or keep BatchNorm's statistics. It used
@@ -50,10 +48,11 @@ from its start: an evaluation that forgot no_grad drops its graph unused, and wo
 leave the next training step going on from its end, off the schedule; inside a training pass
 (a teacher in eval mode) they go on with it. A schedule being recorded starts afresh with each
 pass: one dropped unused (that evaluation after the first step) was recorded with the next, and
-every later step departed from it. The schedule is recorded over a pass whose first forward found the layout final: before,
-the second forward of the first pass (the first re-packed the chunks as it ended) had it recorded
-over chunk indices of both layouts, and every later step departed from it (5 departures a step
-with the head called after the backbone, 2 with the model called twice; now none). Config compile
+every later step departed from it. The schedule is recorded over a pass whose first forward
+found the layout final: before, the second forward of the first pass (the first re-packed the
+chunks as it ended) had it recorded over chunk indices of both layouts, and every later step
+departed from it (5 departures a step with the head called after the backbone, 2 with the model
+called twice; now none). Config compile
 compiles only with no pass under way. A pass of modules called directly is re-packed in the order
 its first forward used them, the rest in the model's order (not the whole pass's order of use).
 
@@ -61,8 +60,9 @@ Note: a training step function. Lightning's manual optimization runs a whole tra
 what the engine sees as one call (`run_training_step`): forwards of the model's modules, backwards,
 optimizer steps. Each backward, step, zero_grad and gradient clipping inside it closes the open
 forward first (its saved-tensor hooks off, the layout fixed after the first) and opens the next
-after it (`between_forwards`; a front end puts a user's backward override inside one), which follows the schedule from its start without prefetching: the
-next call may be a step, which would drop what a prefetch gathered.
+after it (`between_forwards`; a front end puts a user's backward override inside one), which
+follows the schedule from its start without prefetching: the next call may be a step, which would
+drop what a prefetch gathered.
 
 Note: nested and interrupted calls. The root called inside its own forward (a LightningModule's
 training_step calling self(x), run inside the engine's forward) is part of the open forward. A
@@ -219,10 +219,8 @@ class EngineForward:
         if self._open is not None:  # the root called inside its own forward
             self._open.nested += 1
             return None
-        if self.phase is not TrainingPhase.IDLE or torch._C._current_graph_task_id() != -1:
-            return None  # inside full_parameters(), a backward's recomputation (torch.utils.checkpoint)
-        if self.hooks is None:  # stages 0-2: the parameters still view their chunks (not inside
-            check_not_moved(self.chunks)  # full_parameters(), whose whole fp32 values they hold)
+        if not self._opens_here():
+            return None
         args, kwargs = self._to_device((args, kwargs))
         self._open_forward(args, kwargs)
         return args, kwargs
@@ -238,11 +236,26 @@ class EngineForward:
         self._close_forward(failed=sys.exc_info()[1] is not opened.exception)
         return None
 
+    def _opens_here(self) -> bool:
+        """Whether a forward opens now, none being open: not inside full_parameters() (the
+        parameters hold their whole fp32 values there) nor a backward's recomputation
+        (torch.utils.checkpoint). Stages 0-2 check the parameters still view their chunks."""
+        if self.phase is not TrainingPhase.IDLE or torch._C._current_graph_task_id() != -1:
+            return False
+        if self.hooks is None:
+            check_not_moved(self.chunks)
+        return True
+
+    def _end_pass(self) -> None:
+        """A backward or a step ended the pass under way (Note: forwards of one pass)."""
+        self._pass_training, self._forward_recorded = None, False
+
     def _hook_direct_calls(self, model: nn.Module) -> None:
         """Every module of `model` holding parameters, the root and the modules inside a layer block
         aside, opens the bracket where it is called directly (Note: a module called directly): first
-        among its forward pre-hooks, last among its forward hooks. The hooks hold the engine weakly and, inside a compiled graph,
-        return before reading it (no guard on the engine's state)."""
+        among its forward pre-hooks, last among its forward hooks. The hooks hold the engine weakly
+        and, inside a compiled graph, return before reading it (no guard on the engine's state; so
+        not runtime.weak_calls, whose call dynamo would trace first)."""
         engine = weakref.ref(self)
 
         def begins(module, args, kwargs):
@@ -268,11 +281,8 @@ class EngineForward:
         """A module's forward pre-hook: opens the bracket for a module called directly, where no
         forward is open and the engine is idle."""
         self._close_stale_forward()
-        if self._open is not None or self.phase is not TrainingPhase.IDLE \
-                or torch._C._current_graph_task_id() != -1:
+        if self._open is not None or not self._opens_here():
             return None
-        if self.hooks is None:
-            check_not_moved(self.chunks)
         # its inputs as given: the root's are cast and moved, a module's called directly are not (a
         # list it appends to stays the caller's; cast_forward_inputs casts those of its parameterised modules)
         self._open_forward(args, kwargs, opener=module)
@@ -308,7 +318,7 @@ class EngineForward:
             if begins:  # a schedule recorded over the pass is of its first forward's layout
                 self._micro_layout_final = self.layout.final
             self._compile_when_due()
-            if grad and (self._pass_training is None or training):
+            if begins:
                 self._pass_training = training
             self._forward_recorded = self._forward_recorded or grad
             if self.hooks is not None:
