@@ -171,6 +171,16 @@ def with_lora(model: torch.nn.Module, checkpointing: bool = False) -> torch.nn.M
     return model
 
 
+def own_graph_breaks(build, initial: dict, micro_batch: dict, options: dict) -> int:
+    """The graph breaks of the plain model's whole forward and backward under torch.compile(**options)."""
+    model = build()
+    model.load_state_dict(initial)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.compile(model.forward, **options)(**micro_batch).loss.backward()
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
 def trained_alike(rank: int, world: int, name: str) -> dict:
     """Per engine configuration, the largest difference from plain PyTorch after STEPS steps of SGD
     with momentum, and for a compiled one the graph breaks and graphs dynamo counted (each compiled
@@ -203,6 +213,8 @@ def trained_alike(rank: int, world: int, name: str) -> dict:
             counters = torch._dynamo.utils.counters
             out["breaks"][label] = sum(counters["graph_break"].values())
             out["graphs"][label] = counters["stats"]["unique_graphs"]
+            if out["breaks"][label] and COMPILED_AT[label] < 3:  # compiled whole: the model's own breaks count
+                out.setdefault("own_breaks", {})[label] = own_graph_breaks(build, initial, data[0][rank], cfg["compile"])
     if generates:
         prompt = {k: v for k, v in data[0][rank].items() if k != "labels"}
         ref.eval()

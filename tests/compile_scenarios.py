@@ -77,21 +77,51 @@ def fresh_dynamo() -> None:
     counters.clear()
 
 
+def segments_in_backward(output: torch.Tensor) -> int:
+    """The compiled graphs (AOTAutograd's backward nodes) in the autograd graph behind `output`: a
+    forward compiled whole in graph segments has one per segment (runtime/graph_segments.py)."""
+    seen, todo = set(), [output.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            todo.extend(f for f, _ in fn.next_functions)
+    return sum(type(fn).__name__ == "CompiledFunctionBackward" for fn in seen)
+
+
 def compiled_parity(rank, world, stage, make_opt=make_sgd, extra=None, checkpoint=False, options=EAGERLIKE,
                     build=Layers):
     """The compiled engine against plain eager PyTorch on the global batch (models.parity), with
-    dynamo's counts over the compiled run."""
+    dynamo's counts over the compiled run and the compiled graphs behind the engine's last loss."""
     cfg = {"stage": stage, "chunk_size": 300, **(extra or {})}
     data = inputs(4, world, 4, 8)
-    loss = lambda m, x, *_: m(x, checkpoint=checkpoint).pow(2).mean()  # noqa: E731
+    segments = []
+
+    def loss(m, x, *_):
+        out = m(x, checkpoint=checkpoint).pow(2).mean()
+        if isinstance(m, zeroshard.Engine):  # not the plain reference
+            segments.append(segments_in_backward(out))
+        return out
     fresh_dynamo()
     engine, diff = parity(rank, world, build, loss, data, make_opt, {**cfg, "compile": options})
     return {"diff": diff, **dynamo_counts(), "compiled": [type(m).__name__ for m in engine.compiled],
-            "chunks": len(engine.chunks)}
+            "chunks": len(engine.chunks), "trainable_chunks": sum(c.trainable for c in engine.chunks),
+            "segments": segments[-1]}
 
 
+BLOCKS = {"compile_scope": "blocks"}
 for _stage in range(4):
     SCENARIOS[f"sgd_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage)
+for _stage in range(3):  # compiled whole by default (runtime/compiled.py's Note: compile scope)
+    SCENARIOS[f"blocks_sgd_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage, extra=BLOCKS)
+SCENARIOS["blocks_checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True, extra=BLOCKS)
+SCENARIOS["adamw_stage2"] = functools.partial(compiled_parity, stage=2, make_opt=make_adamw)
+SCENARIOS["model_scope_one_chunk_stage3"] = functools.partial(
+    compiled_parity, stage=3, extra={"compile_scope": "model", "chunk_size": 10**6})
+SCENARIOS["model_scope_stage3"] = functools.partial(  # ConfigError: several chunks
+    compiled_parity, stage=3, extra={"compile_scope": "model"})
+SCENARIOS["blocks_scope_one_chunk_stage3"] = functools.partial(
+    compiled_parity, stage=3, extra={"compile_scope": "blocks", "chunk_size": 10**6})
 SCENARIOS["adamw_offload_stage3"] = functools.partial(
     compiled_parity, stage=3, make_opt=make_adamw,
     extra={"offload_optimizer": True, "offload_params": True, "cache_chunks": 1})
@@ -185,9 +215,9 @@ SCENARIOS["one_chunk_wrapped_forward_stage3"] = functools.partial(
 
 
 def arrivals_per_block(rank, world, stage=1):
-    """Compiled stages 1-2: the chunks still arriving (an update's all-gather not yet waited for)
-    as each block's forward begins, per step: a block waits for its own chunks only, in its hook
-    outside its graph, so later blocks' chunks are still arriving at the first block."""
+    """Compiled stages 1-2, block by block: the chunks still arriving (an update's all-gather not yet
+    waited for) as each block's forward begins, per step: a block waits for its own chunks only, in
+    its hook outside its graph, so later blocks' chunks are still arriving at the first block."""
     seen = []
 
     def loss(model, x, k, *_):
@@ -200,7 +230,7 @@ def arrivals_per_block(rank, world, stage=1):
         return model(x).pow(2).mean()
     fresh_dynamo()
     engine, diff = parity(rank, world, Layers, loss, inputs(4, world, 4, 8), make_sgd,
-                          {"stage": stage, "chunk_size": 300, "compile": EAGERLIKE})
+                          {"stage": stage, "chunk_size": 300, "compile": EAGERLIKE, **BLOCKS})
     return {"diff": diff, **dynamo_counts(), "arriving": seen, "chunks": len(engine.chunks)}
 
 
@@ -233,6 +263,29 @@ for _stage in (2, 3):
 SCENARIOS["deep_decoder_use_cache_named_stage2"] = functools.partial(deep_decoder_without_use_cache, stage=2,
                                                                      use_cache=True)
 SCENARIOS["arrivals_per_block_stage1"] = arrivals_per_block
+
+
+def reductions_during_backward(rank, world, stage=2):
+    """A forward compiled whole in graph segments: when the first chunk's first gradient (the
+    embedding's, the backward's last) is computed, the later chunks' gradients have arrived and
+    their reductions started (their GradState), as in eager mode, where one graph would hand over
+    every gradient at the backward's end. Per step, the count of chunks past ACCUMULATING."""
+    started = []
+
+    def loss(model, x, k, *_):
+        if isinstance(model, zeroshard.Engine) and k == 0:
+            first = model.module.embed.weight
+            first.register_hook(lambda g: started.append(
+                sum(c.grad_state.value != "accumulating" for c in model.chunks if c is not model.chunks[0])))
+        return model(x).pow(2).mean()
+    fresh_dynamo()
+    engine, diff = parity(rank, world, Layers, loss, inputs(4, world, 4, 8), make_sgd,
+                          {"stage": stage, "chunk_size": 300, "compile": EAGERLIKE})
+    return {"diff": diff, **dynamo_counts(), "started": started, "chunks": len(engine.chunks),
+            "compiled": [type(m).__name__ for m in engine.compiled]}
+
+
+SCENARIOS["reductions_during_backward_stage2"] = reductions_during_backward
 SCENARIOS["no_blocks_stage3"] = functools.partial(  # ConfigError: two chunks (one is compiled whole)
     compiled_parity, stage=3, build=Flat, extra={"chunk_size": 64})
 
@@ -242,7 +295,8 @@ def run(rank, world, out_path):
 
 
 def run_inductor(rank, world, out_path):
-    record(rank, out_path, {"stage3": functools.partial(compiled_parity, rank, world, 3, options=True)})
+    record(rank, out_path, {"stage3": functools.partial(compiled_parity, rank, world, 3, options=True),
+                            "stage2": functools.partial(compiled_parity, rank, world, 2, options=True)})
 
 
 COMPILE = WorldResults(run, "compile")

@@ -43,12 +43,14 @@ def test_an_architecture_trains_as_plain_pytorch(results_at, name, world, config
 @pytest.mark.parametrize("world,config", _at([c for c in CONFIGS if CONFIGS[c].get("compile")]))
 @pytest.mark.parametrize("name", list(architectures()))
 def test_a_compiled_architecture_has_no_graph_break(results_at, name, world, config):
-    """It was compiled (a graph at least), and none of these models breaks a graph of its own
-    (peft's parametrized experts do: not here), so any break would be zeroshard's: none at stage 2,
-    whose compiled blocks wait for their chunks in their hooks, nor at stage 3, whose leaf units
-    gather around their compiled forwards."""
+    """It was compiled (a graph at least), and zeroshard added no graph break: at stage 2, compiled
+    whole (runtime/compiled.py's Note: compile scope), it breaks where plain torch.compile of the
+    same model's forward breaks (wav2vec2's CTC head: 7 breaks, the model's own; the others none);
+    at stage 3, whose leaf units gather around their compiled blocks, nowhere (peft's parametrized
+    experts would: not here)."""
     got = _available(results_at(world), name)
-    assert got["breaks"][config] == 0 and got["graphs"][config] >= 1, (name, config, got["breaks"], got["graphs"])
+    own = got.get("own_breaks", {}).get(config, 0)
+    assert got["breaks"][config] == own and got["graphs"][config] >= 1, (name, config, got["breaks"], own, got["graphs"])
 
 
 @pytest.mark.parametrize("world,config", _at(GENERATING))

@@ -154,10 +154,14 @@ def compile_units(module: nn.Module, config: Config, world: World, planned: Plan
     params, _ = list_parameters(module)
     cap = chunk_capacity(config, [p.numel() for p in params])  # as make_parts sizes them
     chunks = len(pack_groups([local_shape(p).numel() for p in params], [p.requires_grad for p in params], cap))
-    whole = planned.profile is None and compiles_whole(module, chunks)
+    whole = planned.profile is None and compiles_whole(module, chunks, config.compile_scope)
     # On every rank alike: tensor-parallel ranks' local shapes may pack into different counts
     if all(world.world_comm.all_gather_objects(whole)):
         return dataclasses.replace(world, leaves=[module])
+    if config.compile_scope == "model":
+        raise ConfigError("zeroshard config: compile_scope 'model' at stage 3 needs a model of one chunk whose "
+                          "forward is its class's (each unit's gathers run in its hooks, outside any graph): "
+                          "'auto' compiles each layer block")
     if not world.leaves:  # the root's graph would hold every hook
         raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
                           "ModuleList of two or more layers) or, a model of one chunk whose forward is its "

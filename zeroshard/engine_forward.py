@@ -86,7 +86,7 @@ from torch.utils._pytree import tree_map_only
 
 from .engine_io import TrainingPhase
 from .errors import ConfigError, EngineCallError
-from .runtime.compiled import compile_model, compile_targets
+from .runtime.compiled import compile_forwards
 from .runtime.module_state import check_not_moved
 from .units import layer_blocks
 
@@ -384,15 +384,16 @@ class EngineForward:
                 self._arrivals.resume()
 
     def _compile_when_due(self) -> None:
-        """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py),
-        with no pass under way: its backward may recompute checkpointed blocks, which must run as its
-        forwards ran them (Note: forwards of one pass)."""
+        """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py), with
+        no pass under way (Note: forwards of one pass: a backward may recompute checkpointed blocks as they ran).
+        A forward not of the root's (a module called directly, a training step function) compiles the blocks."""
         if self.layout.final and self._compiler is not None and self.compiled is None and not self._forward_recorded:
-            targets = compile_targets(self.module, self.stage, self.leaves, len(self.chunks))
-            if not targets:
+            root = self._open is None or self._open.module is None and not self._open.step_function
+            self.compiled = compile_forwards(self.module, self.stage, self.leaves, self.chunks, self._compiler,
+                                             self.zeroshard_config.compile_scope if root else "blocks")
+            if not self.compiled:
                 log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "
                             "end replaced its forward since initialize, and it has no layer blocks to compile")
-            self.compiled = compile_model(targets, self._compiler)
             if self._arrivals is not None and self.compiled != [self.module]:
                 self._arrivals.wait_per_block(self.compiled)
         if self.compiled == [self.module] and self._arrivals is not None:  # the root's graph cannot wait (compiled.py)

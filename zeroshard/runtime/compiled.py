@@ -1,10 +1,14 @@
-"""torch.compile under zeroshard (config `compile`): which code a graph holds, and why.
+"""torch.compile under zeroshard (config `compile`, `compile_scope`): which code a graph holds, and why.
 
-Each layer block's forward is compiled (units.layer_blocks: the modules of the model's ModuleList of
-layers; at stage 3 also any leaf_modules); a model without such blocks has its whole
-forward compiled (at stages 0-2), and so does one whose blocks would buy nothing (Note: one chunk).
-The forward function itself, not the module's call: a module's hooks stay outside its graph, as
-FSDP2's users compile each block they shard.
+At stages 0-2 the root's whole forward is compiled, as DDP + torch.compile compiles it (the
+embedding, the head and the loss in the graph), cut into graph segments of about a chunk each where
+the model has several trainable chunks (graph_segments.py); a model of more than WHOLE_BLOCKS layer
+blocks has each block's forward compiled instead (Note: compile scope), and so has one whose root's
+forward a front end replaced. At stage 3 each layer block's forward is compiled (units.layer_blocks:
+the modules of the model's ModuleList of layers; also any leaf_modules); a model without such
+blocks has its whole forward compiled at stages 0-2, and so does one whose blocks would buy nothing
+(Note: one chunk). The forward function itself, not the module's call: a module's hooks stay
+outside its graph, as FSDP2's users compile each block they shard.
 - Stage 3 makes each block a leaf unit at initialize: its chunks are gathered and released by its
   own hooks, eagerly, around its compiled forward, and no hook runs inside it, so the graph holds
   the model's code alone. The graph's saved tensors pass through the saved-tensor hooks, so a
@@ -16,12 +20,27 @@ FSDP2's users compile each block they shard.
   a graph cannot do without a break. Each compiled block therefore waits in its own hook, outside
   its graph, for the chunks of every parameter in it, and its graph runs with the arrival guard
   off the mode stack (ArrivalHooks.wait_per_block): later blocks' chunks still arrive while earlier
-  blocks compute. A model compiled whole (no blocks) waits for every chunk before its forward.
+  blocks compute. A forward compiled whole waits for every chunk before it starts.
 - A gradient reaches its chunk through autograd's hooks on the parameter, outside any graph.
-- Code outside the blocks (embeddings, the head, the loss) runs eagerly, and a front end may patch
-  the root module's forward (Lightning redirects it to training_step) without undoing a compile.
+- Where the blocks are compiled one by one, the code outside them (embeddings, the head, the loss)
+  runs eagerly, and a front end may patch the root module's forward (Lightning redirects it to
+  training_step) without undoing a compile.
 Compiling waits for the first training forward to end: it records the order of first use and
 re-packs the chunks (the recording's hooks would otherwise be traced into the graphs).
+
+Note: compile scope. Compiled whole, a model's layers are unrolled into one graph, so its compile
+time grows with its depth; compiled block by block, the blocks share one graph, compiled once for
+all, while the code outside them runs eagerly. A GPT-2 of 24 layers (n_embd 256, inductor, one CPU
+thread, caches off) compiled in 87.5 s whole against 17.0 s block by block; gpt2-small-cpu (6
+layers, seven chunks; 2 ranks on 2 cores, 120 interleaved steps) stepped in 0.995 / 0.960 / 0.960
+of DDP + compile's time at stages 0 / 1 / 2 compiled whole in segments, against 1.015 / 0.981 /
+0.980 block by block (its eager cross-entropy over 8192 tokens' logits, and the page faults of
+their fresh gradients, were most of the difference in `perf`'s samples). Config compile_scope 'auto' (the default) compiles whole at stages 0-2 up to
+WHOLE_BLOCKS blocks (some 30 s of compile here), where the eager remainder is a larger share of a
+step and the compile still short, block by block beyond (where a model is one chunk: whole, Note:
+one chunk); 'model' compiles whole at any depth, 'blocks' block by block always (at stage 3 a model
+of one chunk too). Stage 3 compiles its blocks whatever the scope: 'model' there needs a model of
+one chunk (assembly.compile_units), as its units' gathers run in their hooks, outside any graph.
 
 Note: one chunk. At stages 0-2 a block boundary is worth a graph boundary only for what happens
 there between chunks: a chunk's gradients are reduced as soon as its last block's backward is done,
@@ -75,26 +94,60 @@ import torch
 import torch.nn as nn
 
 from ..units import layer_blocks
+from .graph_segments import compile_in_segments
 
 
-def torch_compiler(setting) -> Callable | None:
+WHOLE_BLOCKS = 8  # compile_scope 'auto': the most layer blocks compiled whole at stages 0-2 (Note: compile scope)
+
+
+class TorchCompiler:
+    """torch.compile with config `compile`'s keyword arguments: called with a function, its compiled
+    form; in_segments(elements) gives the same compiler cutting each graph into graph segments of
+    about `elements` trainable elements (graph_segments.py), or this one where it cannot."""
+
+    def __init__(self, kwargs: dict):
+        self.kwargs = kwargs
+
+    def __call__(self, fn: Callable) -> Callable:
+        return torch.compile(fn, **self.kwargs)
+
+    def in_segments(self, elements: int) -> Callable:
+        return compile_in_segments(self.kwargs, elements) or self
+
+
+def torch_compiler(setting) -> TorchCompiler | None:
     """The compiler config `compile` names: torch.compile with its keyword arguments (True: none),
     or None when off."""
     if setting is False:
         return None
-    return functools.partial(torch.compile, **({} if setting is True else dict(setting)))
+    return TorchCompiler({} if setting is True else dict(setting))
 
 
-def compiles_whole(module: nn.Module, chunks: int) -> bool:
-    """Whether the root's forward is compiled, not its blocks one by one: the model's parameters are
-    `chunks` <= 1 chunk and the root's forward is its class's (Note: one chunk)."""
-    return chunks <= 1 and "forward" not in vars(module)
+def compiles_whole(module: nn.Module, chunks: int, scope: str = "auto") -> bool:
+    """Whether a model of `chunks` chunks has its root's forward compiled for that count alone: one
+    chunk, a root whose forward is its class's, and compile_scope not 'blocks' (Note: one chunk)."""
+    return chunks <= 1 and scope != "blocks" and "forward" not in vars(module)
 
 
-def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: int) -> list[nn.Module]:
+def compile_forwards(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: list, compiler: Callable,
+                     scope: str) -> list[nn.Module]:
+    """Compile the forwards of compile_targets with `compiler`; at stages 0-2 a root compiled whole
+    over several trainable chunks in graph segments of the largest one's padded elements, where the
+    compiler is config `compile`'s (one given to engine.compile_with compiles one graph). Returns the
+    modules compiled."""
+    targets = compile_targets(module, stage, leaves, len(chunks), scope)
+    trainable = [c.padded_numel for c in chunks if c.trainable]
+    if targets == [module] and stage < 3 and len(trainable) > 1 and isinstance(compiler, TorchCompiler):
+        compiler = compiler.in_segments(max(trainable))
+    return compile_model(targets, compiler)
+
+
+def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: int,
+                    scope: str = "auto") -> list[nn.Module]:
     """The modules whose forwards are compiled, the root named when it is compiled whole.
-    Stages 0-2: the layer blocks, or the root where the model has none or is `chunks` <= 1 chunk
-    with its class's forward (compiles_whole). Stage 3: its leaf units, chosen at initialize
+    Stages 0-2: the root where the model has no layer blocks, or (its forward its class's) where
+    compile_scope says so (Note: compile scope) or it is `chunks` <= 1 chunk (compiles_whole); its
+    layer blocks otherwise. Stage 3: its leaf units, chosen at initialize
     (assembly.compile_units); where the root is the one leaf but a front end has replaced its
     forward since (Lightning redirects it to training_step for each call: a compile of it would be
     undone at the call's end), the root's layer blocks instead, which have no hooks inside it (none
@@ -104,7 +157,9 @@ def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chun
             return layer_blocks(module)
         return list(leaves)
     blocks = layer_blocks(module)
-    return [module] if not blocks or compiles_whole(module, chunks) else blocks
+    own_forward = "forward" in vars(module)
+    whole = scope == "model" or scope == "auto" and len(blocks) <= WHOLE_BLOCKS
+    return [module] if not blocks or compiles_whole(module, chunks, scope) or whole and not own_forward else blocks
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # a Hugging Face forward's KV cache, by its name since and before v5
