@@ -110,16 +110,17 @@ def compiled_parity(rank, world, stage, make_opt=make_sgd, extra=None, checkpoin
 
 
 BLOCKS = {"compile_scope": "blocks"}
-for _stage in range(4):
+for _stage in range(4):  # compiled whole by default (runtime/compiled.py's Notes: compile scope, one unit)
     SCENARIOS[f"sgd_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage)
-for _stage in range(3):  # compiled whole by default (runtime/compiled.py's Note: compile scope)
     SCENARIOS[f"blocks_sgd_stage{_stage}"] = functools.partial(compiled_parity, stage=_stage, extra=BLOCKS)
+# Stage 3 with a limited rCache: a unit per block, each block's forward compiled
+SCENARIOS["cached_sgd_stage3"] = functools.partial(compiled_parity, stage=3, extra={"cache_chunks": 4})
 SCENARIOS["blocks_checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True, extra=BLOCKS)
 SCENARIOS["adamw_stage2"] = functools.partial(compiled_parity, stage=2, make_opt=make_adamw)
 SCENARIOS["model_scope_one_chunk_stage3"] = functools.partial(
     compiled_parity, stage=3, extra={"compile_scope": "model", "chunk_size": 10**6})
-SCENARIOS["model_scope_stage3"] = functools.partial(  # ConfigError: several chunks
-    compiled_parity, stage=3, extra={"compile_scope": "model"})
+SCENARIOS["model_scope_stage3"] = functools.partial(  # ConfigError: several chunks, a limited rCache
+    compiled_parity, stage=3, extra={"compile_scope": "model", "cache_chunks": 4})
 SCENARIOS["blocks_scope_one_chunk_stage3"] = functools.partial(
     compiled_parity, stage=3, extra={"compile_scope": "blocks", "chunk_size": 10**6})
 SCENARIOS["adamw_offload_stage3"] = functools.partial(
@@ -128,6 +129,8 @@ SCENARIOS["adamw_offload_stage3"] = functools.partial(
 SCENARIOS["adamw_offload_stage2"] = functools.partial(
     compiled_parity, stage=2, make_opt=make_adamw, extra={"offload_optimizer": True})
 SCENARIOS["checkpointing_stage3"] = functools.partial(compiled_parity, stage=3, checkpoint=True)
+SCENARIOS["cached_checkpointing_stage3"] = functools.partial(compiled_parity, stage=3, checkpoint=True,
+                                                             extra={"cache_chunks": 4})
 SCENARIOS["checkpointing_stage1"] = functools.partial(compiled_parity, stage=1, checkpoint=True)
 SCENARIOS["no_blocks_stage2"] = functools.partial(compiled_parity, stage=2, build=Flat)
 # One chunk (compiled.py's Note: one chunk): the whole forward, blocks and all, is one graph.
@@ -286,7 +289,9 @@ def reductions_during_backward(rank, world, stage=2):
 
 
 SCENARIOS["reductions_during_backward_stage2"] = reductions_during_backward
-SCENARIOS["no_blocks_stage3"] = functools.partial(  # ConfigError: two chunks (one is compiled whole)
+SCENARIOS["no_blocks_stage3"] = functools.partial(  # ConfigError: two chunks, a limited rCache
+    compiled_parity, stage=3, build=Flat, extra={"chunk_size": 64, "cache_chunks": 1})
+SCENARIOS["no_blocks_unlimited_cache_stage3"] = functools.partial(  # the root its one unit, compiled whole
     compiled_parity, stage=3, build=Flat, extra={"chunk_size": 64})
 
 

@@ -143,13 +143,14 @@ def run(rank: int, world: int, out_path: str) -> None:
             if stage < 2:  # the traffic, and the model against the plain loop's, is what these add
                 results[f"stage{stage}"] = res
                 continue
-            if stage == 3:  # TrainingArguments' torch_compile: config compile, each block compiled
-                # In more than one chunk: one would make the root the one unit, compiled whole
+            if stage == 3:  # TrainingArguments' torch_compile: config compile, the root compiled whole
+                # in more than one chunk: in graph segments (runtime/compiled.py's Note: one unit)
                 compiled = trainer_run(rank, world, stage, out + "-compiled", config={"chunk_size": 60000},
                                        torch_compile=True, torch_compile_backend="aot_eager", save_strategy="no")
                 results["stage3_compiled"] = {
                     "state_vs_plain": max_diff(compiled["state"], plain),
-                    "compiled": [type(m).__name__ for m in compiled["trainer"].engine.compiled or ()]}
+                    "compiled": [type(m).__name__ for m in compiled["trainer"].engine.compiled or ()],
+                    "chunks": len(compiled["trainer"].engine.chunks)}
             torch.save(got["state"], os.path.join(root, f"trainer_stage{stage}.pt")) if rank == 0 else None
             trainer.save_model(os.path.join(out, "final"))
             if rank == 0:

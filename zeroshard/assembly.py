@@ -25,7 +25,7 @@ from .optim.param_groups import as_factory, default_optimizer
 from .planning.auto_plan import plan_for
 from .runtime.arrival import ArrivalHooks
 from .runtime.cache import ChunkCache
-from .runtime.compiled import compiles_whole
+from .runtime.compiled import root_is_one_unit
 from .runtime.disk_tier import MASTERS, DiskTier, Holding, shards
 from .runtime.packing import auto_chunk_size, pack_groups
 from .runtime.hooks import Stage3Hooks
@@ -145,23 +145,23 @@ def chunk_capacity(config: Config, numels: list[int]) -> int:
 
 def compile_units(module: nn.Module, config: Config, world: World, planned: Planned) -> World:
     """Stage 3 with config compile: `world` with the leaf units whose forwards are compiled. A model
-    that packs into one chunk is one unit, the root (runtime/compiled.py's Note: one chunk): counted
-    here, before any chunk is built, as the layout will pack it (its parameters in module order,
-    trainable apart from frozen). Otherwise its layer blocks and leaf_modules (join_world); with none,
-    it raises ConfigError."""
+    that packs into one chunk, or (an unlimited rCache) has few enough blocks, is one unit, the root
+    (runtime/compiled.py's Notes: one chunk, one unit): chunks counted here, before any is built, as
+    the layout will pack them (its parameters in module order, trainable apart from frozen). Otherwise
+    its layer blocks and leaf_modules (join_world); with none, it raises ConfigError."""
     if not config.compile or config.stage != 3:
         return world
     params, _ = list_parameters(module)
     cap = chunk_capacity(config, [p.numel() for p in params])  # as make_parts sizes them
     chunks = len(pack_groups([local_shape(p).numel() for p in params], [p.requires_grad for p in params], cap))
-    whole = planned.profile is None and compiles_whole(module, chunks, config.compile_scope)
+    whole = planned.profile is None and root_is_one_unit(module, chunks, config.compile_scope, config.cache_chunks)
     # On every rank alike: tensor-parallel ranks' local shapes may pack into different counts
     if all(world.world_comm.all_gather_objects(whole)):
         return dataclasses.replace(world, leaves=[module])
     if config.compile_scope == "model":
-        raise ConfigError("zeroshard config: compile_scope 'model' at stage 3 needs a model of one chunk whose "
-                          "forward is its class's (each unit's gathers run in its hooks, outside any graph): "
-                          "'auto' compiles each layer block")
+        raise ConfigError("zeroshard config: compile_scope 'model' at stage 3 needs a model of one chunk, or an "
+                          "unlimited rCache (no cache_chunks), and a forward of its class's (each unit's gathers "
+                          "run in its hooks, outside any graph): 'auto' compiles each layer block")
     if not world.leaves:  # the root's graph would hold every hook
         raise ConfigError("zeroshard config: compile at stage 3 compiles each layer block (the modules of a "
                           "ModuleList of two or more layers) or, a model of one chunk whose forward is its "

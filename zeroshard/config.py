@@ -123,13 +123,14 @@ class Config:
         layer block's (the modules of the model's ModuleList of layers) where compile_scope says so
         or a front end wrapped the root's forward. Stage 3: each layer block's forward, its hooks
         outside the graph, as FSDP2's users compile each block they shard, gathered whole (a leaf
-        unit); a model of one chunk, or without blocks, compiled whole. Compiled once the chunk
-        layout is final (after the first training forward, which runs eagerly). False (default): eager.
-    compile_scope: what config compile compiles at stages 0-2: 'auto' (default) the whole forward
-        for a model of at most 8 layer blocks or of one chunk, each block beyond (a deep model
-        compiled whole unrolls its layers: a 24-layer GPT-2 took 87.5 s to compile against 17.0 s
-        block by block); 'model' the whole forward; 'blocks' each block (at stage 3 also for a
-        model of one chunk). At stage 3, 'model' needs a model of one chunk.
+        unit); where the root is the one unit (a model of one chunk; with an unlimited rCache, as
+        compile_scope says) the whole forward, in segments. Compiled once the chunk layout is final
+        (after the first training forward, which runs eagerly). False (default): eager.
+    compile_scope: what config compile compiles whole: 'auto' (default) the forward of a model of at
+        most 8 layer blocks or of one chunk (stage 3: with an unlimited rCache, the root then its one
+        unit), each block's beyond (a deep model compiled whole unrolls its layers: a 24-layer GPT-2
+        took 87.5 s to compile against 17.0 s block by block); 'model' the whole forward at any depth
+        (stage 3: needs one chunk or an unlimited rCache); 'blocks' each block's (also for one chunk).
     allow_nonfinite_weights: pretrained weights (initialize's `weights`, engine.load_weights) that
         hold NaN or inf are refused with WeightsError naming the tensors, unless this is True (a
         checkpoint that holds them on purpose).

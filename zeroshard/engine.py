@@ -100,6 +100,7 @@ class Engine(EngineForward, EngineIO):
         self.grads_pending = False  # a backward ran whose gradients no step() has applied or dropped
         self._sync = True  # False inside no_sync()
         self._open = None  # the forward open now (engine_forward.OpenForward)
+        self._root_called = False  # the root's forward ran (config compile compiles it whole only then)
         self._warned_callers_hooks = False
         # the pass under way (engine_forward.py's Note: forwards of one pass): None, or whether its
         # first forward recording gradients ran in train mode; and whether any forward recorded

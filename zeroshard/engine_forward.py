@@ -216,6 +216,7 @@ class EngineForward:
         """The root's forward pre-hook: opens the bracket (module docstring) where the engine is
         idle; returns the inputs on the device in the compute dtype."""
         self._close_stale_forward()
+        self._root_called = True
         if self._open is not None:  # the root called inside its own forward
             self._open.nested += 1
             return None
@@ -386,11 +387,10 @@ class EngineForward:
     def _compile_when_due(self) -> None:
         """Config `compile`: compile, as a forward starts, once the layout is final (runtime/compiled.py), with
         no pass under way (Note: forwards of one pass: a backward may recompute checkpointed blocks as they ran).
-        A forward not of the root's (a module called directly, a training step function) compiles the blocks."""
+        Where the root's forward never ran (its modules called directly) it compiles the blocks."""
         if self.layout.final and self._compiler is not None and self.compiled is None and not self._forward_recorded:
-            root = self._open is None or self._open.module is None and not self._open.step_function
             self.compiled = compile_forwards(self.module, self.stage, self.leaves, self.chunks, self._compiler,
-                                             self.zeroshard_config.compile_scope if root else "blocks")
+                                             self.zeroshard_config.compile_scope if self._root_called else "blocks")
             if not self.compiled:
                 log.warning("zeroshard: not compiled: the model is compiled whole at stage 3 (one chunk), a front "
                             "end replaced its forward since initialize, and it has no layer blocks to compile")

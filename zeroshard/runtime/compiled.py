@@ -5,17 +5,18 @@ embedding, the head and the loss in the graph), cut into graph segments of about
 the model has several trainable chunks (graph_segments.py); a model of more than WHOLE_BLOCKS layer
 blocks has each block's forward compiled instead (Note: compile scope), and so has one whose root's
 forward a front end replaced. At stage 3 each layer block's forward is compiled (units.layer_blocks:
-the modules of the model's ModuleList of layers; also any leaf_modules); a model without such
-blocks has its whole forward compiled at stages 0-2, and so does one whose blocks would buy nothing
-(Note: one chunk). The forward function itself, not the module's call: a module's hooks stay
-outside its graph, as FSDP2's users compile each block they shard.
+the modules of the model's ModuleList of layers; also any leaf_modules), unless the root is the one
+unit, its forward compiled whole as at stages 0-2 (a model of one chunk, Note: one chunk; with an
+unlimited rCache, up to WHOLE_BLOCKS blocks, Note: one unit); a model without such blocks has its
+whole forward compiled at stages 0-2. The forward function itself, not the module's call: a
+module's hooks stay outside its graph, as FSDP2's users compile each block they shard.
 - Stage 3 makes each block a leaf unit at initialize: its chunks are gathered and released by its
   own hooks, eagerly, around its compiled forward, and no hook runs inside it, so the graph holds
   the model's code alone. The graph's saved tensors pass through the saved-tensor hooks, so a
   weight saved for backward is still kept by reference to its chunk (saved_tensors.py) and the
-  block's chunks are released between its forward and its backward. A model of one chunk is one
-  leaf unit, the root, its forward compiled whole (Note: one chunk); a model of several chunks
-  with no blocks and no leaf_modules is refused (assembly.compile_units).
+  block's chunks are released between its forward and its backward. Where the root is the one
+  leaf unit, its forward is compiled whole (Notes: one chunk, one unit); a model of several chunks
+  with no blocks and no leaf_modules, and a limited rCache, is refused (assembly.compile_units).
 - Stages 1-2: the arrival hooks (arrival.py) would wait inside a block's graph for its chunks, which
   a graph cannot do without a break. Each compiled block therefore waits in its own hook, outside
   its graph, for the chunks of every parameter in it, and its graph runs with the arrival guard
@@ -39,8 +40,9 @@ their fresh gradients, were most of the difference in `perf`'s samples). Config 
 WHOLE_BLOCKS blocks (some 30 s of compile here), where the eager remainder is a larger share of a
 step and the compile still short, block by block beyond (where a model is one chunk: whole, Note:
 one chunk); 'model' compiles whole at any depth, 'blocks' block by block always (at stage 3 a model
-of one chunk too). Stage 3 compiles its blocks whatever the scope: 'model' there needs a model of
-one chunk (assembly.compile_units), as its units' gathers run in their hooks, outside any graph.
+of one chunk too). At stage 3 the scope chooses whether the root is the one unit (Note: one unit):
+'model' there needs a model of one chunk or an unlimited rCache (assembly.compile_units), as the
+units' gathers run in their hooks, outside any graph.
 
 Note: one chunk. At stages 0-2 a block boundary is worth a graph boundary only for what happens
 there between chunks: a chunk's gradients are reduced as soon as its last block's backward is done,
@@ -64,6 +66,16 @@ Not under offload or stage 'auto': the plan's prefetch schedule names the module
 Where a front end replaces the root's forward after initialize, its layer blocks are compiled
 inside that one unit instead (compile_targets); every module of the root has hooks for calls from
 outside its forward (hooks.Stage3Hooks), which return at once inside a graph.
+
+Note: one unit. At stage 3 with an unlimited rCache (no cache_chunks) nothing gathered is released
+before the step, so units gathered one by one buy only the gathers' overlap with the forward's
+compute, at the price of the blocks compiled one by one and the code between them eager. There the
+root is made the one unit too, as for one chunk, at most WHOLE_BLOCKS blocks deep under
+compile_scope 'auto': its hooks gather every chunk before the forward (the memory the forward's end
+holds anyway) and its forward is compiled whole in graph segments, as at stages 0-2, so each
+segment's gradients are reduce-scattered while the backward goes on (gpt2-small-cpu, seven chunks,
+2 ranks on 2 cores, 60 interleaved steps: 1.029 -> 0.985 of DDP + compile's time, the backward
+536 -> 502 ms). A limited rCache keeps a unit per block: there the gathers' order is the memory bound.
 
 Note: KV cache. A Hugging Face decoder called without `use_cache` builds a KV cache (its
 config.use_cache, true unless set) in training too, where nothing reads it. Each layer's attention
@@ -129,15 +141,25 @@ def compiles_whole(module: nn.Module, chunks: int, scope: str = "auto") -> bool:
     return chunks <= 1 and scope != "blocks" and "forward" not in vars(module)
 
 
+def root_is_one_unit(module: nn.Module, chunks: int, scope: str, cache_chunks: int | None) -> bool:
+    """Stage 3: whether the root is the one unit, its forward compiled whole: a model of one chunk
+    (compiles_whole), or, with an unlimited rCache (`cache_chunks` None) and a root whose forward is
+    its class's, compile_scope 'model', or 'auto' and at most WHOLE_BLOCKS layer blocks (Note: one unit)."""
+    if compiles_whole(module, chunks, scope):
+        return True
+    whole = scope == "model" or scope == "auto" and len(layer_blocks(module)) <= WHOLE_BLOCKS
+    return whole and cache_chunks is None and "forward" not in vars(module)
+
+
 def compile_forwards(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: list, compiler: Callable,
                      scope: str) -> list[nn.Module]:
-    """Compile the forwards of compile_targets with `compiler`; at stages 0-2 a root compiled whole
-    over several trainable chunks in graph segments of the largest one's padded elements, where the
-    compiler is config `compile`'s (one given to engine.compile_with compiles one graph). Returns the
-    modules compiled."""
+    """Compile the forwards of compile_targets with `compiler`; a root compiled whole over several
+    trainable chunks in graph segments of the largest one's padded elements, where the compiler is
+    config `compile`'s (one given to engine.compile_with compiles one graph). Returns the modules
+    compiled."""
     targets = compile_targets(module, stage, leaves, len(chunks), scope)
     trainable = [c.padded_numel for c in chunks if c.trainable]
-    if targets == [module] and stage < 3 and len(trainable) > 1 and isinstance(compiler, TorchCompiler):
+    if targets == [module] and len(trainable) > 1 and isinstance(compiler, TorchCompiler):
         compiler = compiler.in_segments(max(trainable))
     return compile_model(targets, compiler)
 
@@ -150,10 +172,11 @@ def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chun
     layer blocks otherwise. Stage 3: its leaf units, chosen at initialize
     (assembly.compile_units); where the root is the one leaf but a front end has replaced its
     forward since (Lightning redirects it to training_step for each call: a compile of it would be
-    undone at the call's end), the root's layer blocks instead, which have no hooks inside it (none
-    when it has no blocks: nothing is compiled)."""
+    undone at the call's end), or `scope` is 'blocks' (the forward compiling is a module's called
+    directly: the root's would not run), the root's layer blocks instead, which have no hooks inside
+    it (none when it has no blocks: nothing is compiled)."""
     if stage == 3:
-        if list(leaves) == [module] and "forward" in vars(module):
+        if list(leaves) == [module] and ("forward" in vars(module) or scope == "blocks"):
             return layer_blocks(module)
         return list(leaves)
     blocks = layer_blocks(module)
