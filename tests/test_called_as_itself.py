@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import zeroshard
-from contract_call_scenarios import LAYERS, WIDTH, Stack
+from contract_call_scenarios import WIDTH, Stack
 from models import max_diff
 
 

@@ -21,8 +21,8 @@ What comes from TrainingArguments, as the Trainer does it without zeroshard:
   compute copies, dynamic loss scaling for fp16; no autocast); `ddp_timeout` becomes
   `collective_timeout_s` unless the config sets it;
 - `torch_compile` (with `torch_compile_backend`, `torch_compile_mode`) becomes config `compile`
-  (runtime/compiled.py: at stages 0-2 the whole forward in graph segments of a chunk or so, or
-  each layer block's; at stage 3 each block's; the hooks outside the graphs), not a
+  (runtime/compiled.py: the whole forward in graph segments of a chunk or so, or each layer
+  block's, as compile_scope and the rCache say; the hooks outside the graphs), not a
   torch.compile of the engine, whose hooks a graph cannot hold;
 - checkpoints (`save_steps`, `save_strategy`): each `checkpoint-N` folder holds the model as
   `save_pretrained` writes it (from_pretrained opens it), and `zeroshard/`, a zeroshard sharded

@@ -36,13 +36,14 @@ thread, caches off) compiled in 87.5 s whole against 17.0 s block by block; gpt2
 layers, seven chunks; 2 ranks on 2 cores, 120 interleaved steps) stepped in 0.995 / 0.960 / 0.960
 of DDP + compile's time at stages 0 / 1 / 2 compiled whole in segments, against 1.015 / 0.981 /
 0.980 block by block (its eager cross-entropy over 8192 tokens' logits, and the page faults of
-their fresh gradients, were most of the difference in `perf`'s samples). Config compile_scope 'auto' (the default) compiles whole at stages 0-2 up to
-WHOLE_BLOCKS blocks (some 30 s of compile here), where the eager remainder is a larger share of a
-step and the compile still short, block by block beyond (where a model is one chunk: whole, Note:
-one chunk); 'model' compiles whole at any depth, 'blocks' block by block always (at stage 3 a model
-of one chunk too). At stage 3 the scope chooses whether the root is the one unit (Note: one unit):
-'model' there needs a model of one chunk or an unlimited rCache (assembly.compile_units), as the
-units' gathers run in their hooks, outside any graph.
+their fresh gradients, were most of the difference in `perf`'s samples). Config compile_scope
+'auto' (the default) compiles whole at stages 0-2 up to WHOLE_BLOCKS blocks (some 30 s of compile
+here), where the eager remainder is a larger share of a step and the compile still short, block by
+block beyond (where a model is one chunk: whole, Note: one chunk); 'model' compiles whole at any
+depth, 'blocks' block by block always (at stage 3 a model of one chunk too). At stage 3 the scope
+chooses whether the root is the one unit (Note: one unit): 'model' there needs a model of one chunk
+or an unlimited rCache (assembly.compile_units), as the units' gathers run in their hooks, outside
+any graph.
 
 Note: one chunk. At stages 0-2 a block boundary is worth a graph boundary only for what happens
 there between chunks: a chunk's gradients are reduced as soon as its last block's backward is done,
@@ -74,8 +75,8 @@ root is made the one unit too, as for one chunk, at most WHOLE_BLOCKS blocks dee
 compile_scope 'auto': its hooks gather every chunk before the forward (the memory the forward's end
 holds anyway) and its forward is compiled whole in graph segments, as at stages 0-2, so each
 segment's gradients are reduce-scattered while the backward goes on (gpt2-small-cpu, seven chunks,
-2 ranks on 2 cores, 60 interleaved steps: 1.029 -> 0.985 of DDP + compile's time, the backward
-536 -> 502 ms). A limited rCache keeps a unit per block: there the gathers' order is the memory bound.
+2 ranks on 2 cores, 120 interleaved steps: 1.017 -> 0.988 of DDP + compile's time, the backward
+581 -> 551 ms). A limited rCache keeps a unit per block: there the gathers' order is the memory bound.
 
 Note: KV cache. A Hugging Face decoder called without `use_cache` builds a KV cache (its
 config.use_cache, true unless set) in training too, where nothing reads it. Each layer's attention
@@ -147,8 +148,12 @@ def root_is_one_unit(module: nn.Module, chunks: int, scope: str, cache_chunks: i
     its class's, compile_scope 'model', or 'auto' and at most WHOLE_BLOCKS layer blocks (Note: one unit)."""
     if compiles_whole(module, chunks, scope):
         return True
-    whole = scope == "model" or scope == "auto" and len(layer_blocks(module)) <= WHOLE_BLOCKS
-    return whole and cache_chunks is None and "forward" not in vars(module)
+    return _scope_is_whole(scope, layer_blocks(module)) and cache_chunks is None and "forward" not in vars(module)
+
+
+def _scope_is_whole(scope: str, blocks: list) -> bool:
+    """Whether compile_scope compiles a model of these layer blocks whole (Note: compile scope)."""
+    return scope == "model" or scope == "auto" and len(blocks) <= WHOLE_BLOCKS
 
 
 def compile_forwards(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: list, compiler: Callable,
@@ -180,9 +185,8 @@ def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chun
             return layer_blocks(module)
         return list(leaves)
     blocks = layer_blocks(module)
-    own_forward = "forward" in vars(module)
-    whole = scope == "model" or scope == "auto" and len(blocks) <= WHOLE_BLOCKS
-    return [module] if not blocks or compiles_whole(module, chunks, scope) or whole and not own_forward else blocks
+    whole = _scope_is_whole(scope, blocks) and "forward" not in vars(module)
+    return [module] if not blocks or whole or compiles_whole(module, chunks, scope) else blocks
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # a Hugging Face forward's KV cache, by its name since and before v5
