@@ -96,7 +96,7 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    print(f"\n| config | step s | model TFLOPS | peak device GiB |\n|---|---|---|---|")
+    print("\n| config | step s | model TFLOPS | peak device GiB |\n|---|---|---|---|")
     for name, r in rows.items():
         if "error" in r:
             print(f"| {name} | - | - | {r['error']} |")
