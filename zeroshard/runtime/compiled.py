@@ -146,14 +146,14 @@ def root_is_one_unit(module: nn.Module, chunks: int, scope: str, cache_chunks: i
     """Stage 3: whether the root is the one unit, its forward compiled whole: a model of one chunk
     (compiles_whole), or, with an unlimited rCache (`cache_chunks` None) and a root whose forward is
     its class's, compile_scope 'model', or 'auto' and at most WHOLE_BLOCKS layer blocks (Note: one unit)."""
-    if compiles_whole(module, chunks, scope):
-        return True
-    return _scope_is_whole(scope, layer_blocks(module)) and cache_chunks is None and "forward" not in vars(module)
+    return compiles_whole(module, chunks, scope) or cache_chunks is None and _scope_compiles_whole(module, scope)
 
 
-def _scope_is_whole(scope: str, blocks: list) -> bool:
-    """Whether compile_scope compiles a model of these layer blocks whole (Note: compile scope)."""
-    return scope == "model" or scope == "auto" and len(blocks) <= WHOLE_BLOCKS
+def _scope_compiles_whole(module: nn.Module, scope: str) -> bool:
+    """Whether compile_scope compiles the root's forward whole for the model's depth (Note: compile
+    scope): 'model', or 'auto' and at most WHOLE_BLOCKS layer blocks, where the forward is its class's."""
+    shallow = scope == "model" or scope == "auto" and len(layer_blocks(module)) <= WHOLE_BLOCKS
+    return shallow and "forward" not in vars(module)
 
 
 def compile_forwards(module: nn.Module, stage: int, leaves: list[nn.Module], chunks: list, compiler: Callable,
@@ -185,8 +185,8 @@ def compile_targets(module: nn.Module, stage: int, leaves: list[nn.Module], chun
             return layer_blocks(module)
         return list(leaves)
     blocks = layer_blocks(module)
-    whole = _scope_is_whole(scope, blocks) and "forward" not in vars(module)
-    return [module] if not blocks or whole or compiles_whole(module, chunks, scope) else blocks
+    whole = not blocks or compiles_whole(module, chunks, scope) or _scope_compiles_whole(module, scope)
+    return [module] if whole else blocks
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # a Hugging Face forward's KV cache, by its name since and before v5
