@@ -68,7 +68,7 @@ def test_shard_group_size_must_divide_the_data_parallel_world(monkeypatch):
     ("gradient_accumulation_steps", 0, ">= 1"), ("clip_grad_norm", -1.0, "> 0"),
     ("chunk_size", "big", "'auto'"), ("cache_chunks", 0, ">= 1"), ("prefetch", 1, "true or false"),
     ("initial_loss_scale", float("inf"), "finite"), ("initial_loss_scale", float("nan"), "finite"),
-    ("initial_loss_scale", 0.0, "> 0"),
+    ("initial_loss_scale", 0.0, "> 0"), ("compile_scope", "layers", "'auto', 'model' or 'blocks'"),
 ])
 def test_bad_config_value_names_key_and_valid_values(key, value, valid):
     with pytest.raises(ValueError) as e:
