@@ -11,7 +11,7 @@ import torch
 
 import zeroshard
 from distributed import every_rank
-from models import batches, inputs, make_adamw, make_sgd, max_diff, parity, reference, tiny_gpt2
+from models import batches, digest, inputs, make_adamw, make_sgd, max_diff, parity, reference, tiny_gpt2
 
 SCENARIOS = {}
 
@@ -250,3 +250,46 @@ SCENARIOS["desync_after_a_caught_step_error_stage1"] = \
     lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=1, clip=None)
 SCENARIOS["desync_after_a_caught_step_error_stage3"] = \
     lambda rank, world: desync_after_a_caught_step_error(rank, world, stage=3, clip=None)
+
+
+# -- the exact Adam kernel (optim/exact_adam.py) on each rank's spans -----------------------------
+def _grouped_adamw(ps):
+    """AdamW with the matrices decayed and the rest not, at another lr (two groups of spans)."""
+    ps = list(ps)
+    return torch.optim.AdamW([{"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0, "lr": 5e-4}], lr=1e-3)
+
+
+def exact_adam_kernel(rank, world):
+    """Per stage, the engine with the exact kernel on for any size and then off: every bit of the
+    trained model equal, the kernel stepped elements on this rank, and the reference met."""
+    import os
+
+    from zeroshard.optim import exact_adam
+    data = batches(4, world, 2)
+    ref, _, _ = reference(tiny_gpt2(), data, _grouped_adamw)
+    step, counted, out = exact_adam.step_, [], {"built": exact_adam.ops() is not None}
+    exact_adam.step_ = lambda p, *a: (counted.append(p.numel()), step(p, *a))
+    try:
+        for stage in (0, 2, 3):
+            digests = {}
+            for mode in ("on", "off"):
+                os.environ["ZEROSHARD_EXACT_ADAM"] = mode
+                model = tiny_gpt2()
+                engine = zeroshard.initialize(model, _grouped_adamw(model.parameters()),
+                                              {"stage": stage, "chunk_size": 20000})
+                for s in data:
+                    engine.backward(engine(input_ids=s[0][rank], labels=s[0][rank]).loss)
+                    engine.step()
+                sd = engine.full_state_dict()
+                digests[mode] = digest(sd)
+                out[f"stage{stage}_{mode}_diff"] = max_diff(sd, ref)
+            out[f"stage{stage}_equal"] = digests["on"] == digests["off"]
+        out["kernel_elements"] = every_rank(sum(counted))
+    finally:
+        exact_adam.step_ = step
+        os.environ.pop("ZEROSHARD_EXACT_ADAM", None)
+    return out
+
+
+SCENARIOS["exact_adam_kernel"] = exact_adam_kernel

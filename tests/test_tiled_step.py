@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import zeroshard
-from zeroshard.optim import tiled_step
+from zeroshard.optim import exact_adam, tiled_step
 
 
 class Odd(nn.Module):
@@ -57,10 +57,10 @@ def data(steps=5):
     return torch.randint(0, 100, (steps, 4, 6), generator=g)
 
 
-def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None, steps=5):
+def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None, steps=5, setup=None):
     """Train Odd for `steps` steps; returns (full state dict, optimizer state by parameter name,
     tile steps taken). `skip_at`: steps whose forward leaves `side` out; `between(engine, step)`
-    runs after each step."""
+    runs after each step; `setup(engine)` before the first."""
     taken = []
     stepped = tiled_step.Span.stepped
     monkeypatch.setattr(tiled_step, "ELEMENTWISE", tiled_step.ELEMENTWISE if tiles else ())
@@ -68,6 +68,8 @@ def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None,
     monkeypatch.setattr(tiled_step.Span, "stepped", lambda self: (taken.append(1), stepped(self)))
     model = Odd()
     engine = zeroshard.initialize(model, make_opt(model), {"stage": stage, "chunk_size": 1 << 16})
+    if setup is not None:
+        setup(engine)
     for i, x in enumerate(data(steps)):
         engine.backward(engine(x, use_side=i not in skip_at))
         engine.step()
@@ -191,3 +193,108 @@ class Replacing(torch.optim.SGD):
 def test_an_optimizer_replacing_its_state_keeps_what_it_wrote(monkeypatch, stage):
     sd, st, taken = train(lambda m: Replacing(m.parameters(), lr=0.1), True, monkeypatch, stage=stage)
     assert taken == 0 and st and all(v == 5 for k, v in st.items() if k.endswith(".steps")), st
+
+
+# The exact Adam kernel (optim/exact_adam.py): spans of torch's Adam/AdamW stepped in one pass
+
+def exact(monkeypatch, on: bool = True) -> list:
+    """The exact kernel on for any size (or off); the returned list gains each kernel step's
+    element count. Each test asks the bit probe afresh."""
+    if on and exact_adam.ops() is None:
+        pytest.skip("the exact Adam kernel is not built here (no compiler, no MKL or another CPU capability)")
+    monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "on" if on else "off")
+    monkeypatch.setattr(exact_adam, "_agreed", {})
+    counted, step = [], exact_adam.step_
+    monkeypatch.setattr(exact_adam, "step_", lambda p, *a: (counted.append(p.numel()), step(p, *a)))
+    return counted
+
+
+KERNEL_CASES = {  # (class, hyperparameters): both lerp branches (|1 - beta1| below and above 0.5), decay on and off
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)),
+    "adamw_low_beta1": (torch.optim.AdamW, dict(lr=3e-3, betas=(0.3, 0.95), eps=1e-6, weight_decay=0.01)),
+    "adam": (torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.0)),
+    "adam_decoupled": (torch.optim.Adam, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05,
+                                              decoupled_weight_decay=True)),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_the_exact_kernel_gives_torch_adams_bits(monkeypatch, case):
+    """The kernel alone against torch's single-tensor step on the same tensor: parameter and both
+    moments equal bit for bit at each of 6 steps (gradients at three scales, some exactly 0)."""
+    exact(monkeypatch)
+    cls, hyper = KERNEL_CASES[case]
+    g = torch.Generator().manual_seed(5)
+    n = 5 * 4096 + 48  # several kernel blocks and a short one
+    ref = nn.Parameter(torch.randn(n, generator=g))
+    mine, m, v = ref.detach().clone(), torch.zeros(n), torch.zeros(n)
+    opt = cls([ref], foreach=False, **hyper)
+    group = opt.param_groups[0]
+    assert exact_adam.fits_group(group)
+    for k in range(1, 7):
+        grad = torch.randn(n, generator=g) * 10.0 ** (k % 3 - 1)
+        grad[::7] = 0
+        ref.grad = grad
+        opt.step()
+        exact_adam.step_(mine, grad, m, v, group, float(k))
+        st = opt.state[ref]
+        assert torch.equal(mine, ref.detach()) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"]), k
+    assert exact_adam.agrees(cls, group)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_exact_kernel_trains_bit_for_bit_what_pieces_train(monkeypatch, stage):
+    """Param groups (one decayed, one not, another lr) and a parameter skipped at a step inside a
+    span: the kernel steps the spans, torch the rest, and every bit and step count is the pieces'."""
+    make = OPTIMIZERS["adamw_groups"]
+    counted = exact(monkeypatch)
+    sd, st, _ = train(make, True, monkeypatch, stage=stage, skip_at=(3,), steps=6)
+    assert sum(counted) > 0
+    exact(monkeypatch, on=False)
+    sd0, st0, _ = train(make, False, monkeypatch, stage=stage, skip_at=(3,), steps=6)
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+    assert float(st["side.weight.step"]) == 5 and float(st["up.weight.step"]) == 6, st
+
+
+def test_the_exact_kernel_reads_the_lr_a_users_pre_hook_set(monkeypatch):
+    """A step pre-hook the user registered halves the lr at each step: the kernel steps with the
+    lr the hook left (its own hook is registered last, at each step)."""
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+
+    def setup(engine):
+        engine.optimizer.register_step_pre_hook(lambda o, a, k: o.param_groups[0].__setitem__(
+            "lr", o.param_groups[0]["lr"] * 0.5))
+    counted = exact(monkeypatch)
+    sd, st, _ = train(make, True, monkeypatch, setup=setup)
+    assert sum(counted) > 0
+    exact(monkeypatch, on=False)
+    sd0, st0, _ = train(make, True, monkeypatch, setup=setup)
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+
+
+@pytest.mark.parametrize("name", ["adam_amsgrad_maximize", "adamw_foreach", "probe_disagrees"])
+def test_torch_steps_what_the_exact_kernel_does_not_take(monkeypatch, name):
+    """amsgrad/maximize and foreach groups are not the kernel's; nor a group whose bit probe
+    disagrees (as on a machine whose sqrt is not torch's): torch steps them, bit for bit as before."""
+    make = OPTIMIZERS["adamw_groups" if name == "probe_disagrees" else name]
+    counted = exact(monkeypatch)
+    if name == "probe_disagrees":
+        monkeypatch.setattr(exact_adam, "_probe", lambda *a: False)
+    sd, st, taken = train(make, True, monkeypatch)
+    assert counted == [] and taken > 0
+    exact(monkeypatch, on=False)
+    sd0, st0, _ = train(make, False, monkeypatch)
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+
+
+def test_the_exact_kernel_waits_for_a_size_worth_its_build(monkeypatch):
+    """By default a rank stepping fewer than MIN_ELEMENTS as spans does not build it; =off never."""
+    monkeypatch.delenv("ZEROSHARD_EXACT_ADAM", raising=False)
+    assert not exact_adam.wanted(exact_adam.MIN_ELEMENTS - 1) and exact_adam.wanted(exact_adam.MIN_ELEMENTS)
+    monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "off")
+    assert not exact_adam.wanted(1 << 40)
+    monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "on")
+    assert exact_adam.wanted(64)

@@ -11,6 +11,12 @@ a few calls per tile, temporaries that stay in cache. Measured here (AdamW, one 
 CPU): gpt2-tiny 6.25 -> 5.50 ms, gpt2-small-cpu (23M elements) 50.8 -> 34.6 ms. On a GPU a span
 is one tensor (no cache to fit; fewer launches).
 
+The exact kernel. torch's Adam still makes seven passes over each tile; for torch's Adam and
+AdamW on fp32 CPU spans, exact_adam.py's kernel makes one, with torch's bits, over the whole span.
+It runs from a step pre-hook registered last for the step (`_step_exact`), so the user's
+pre-hooks come first (an LR they set is the one used) and opt.step() still runs once: the spans
+it steps lose their tiles' gradients, torch's step leaves them out and steps everything else.
+
 Why exact. The optimizers stepped this way (ELEMENTWISE: torch's SGD, Adam and AdamW, exact
 classes) compute each element from that element alone and from scalars (the step count, the
 group's hyperparameters) that are equal across the span, so cutting the same elements into other
@@ -34,6 +40,8 @@ import contextlib
 import operator
 
 import torch
+
+from . import exact_adam
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 TILE = 1 << 18  # elements (1 MiB of fp32): each kernel's operands and temporary stay in a core's cache
@@ -119,6 +127,18 @@ class Span:
         if self._piece_scalars:
             torch._foreach_copy_(self._piece_scalars, self._tile_scalars)
 
+    def exact_tensors(self, grad: torch.Tensor) -> tuple | None:
+        """(parameter, gradient, exp_avg, exp_avg_sq) of the whole span as flat fp32 CPU tensors
+        for the exact Adam kernel, with the tiles' step counts; None where its flat state is not
+        Adam's alone (amsgrad's third moment, another optimizer's keys) or a tensor is not such."""
+        if self._flats.keys() != {"exp_avg", "exp_avg_sq"} or self.tile_states[0].keys() != {"step", *self._flats}:
+            return None
+        tensors = (self.master[self.lo:self.hi], grad[self.lo:self.hi], self._flats["exp_avg"], self._flats["exp_avg_sq"])
+        steps = [st["step"] for st in self.tile_states]
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (*tensors, *steps)):
+            return None
+        return tensors, steps
+
 
 class TiledStep:
     """Which pieces step as tiles, and the optimizer's param groups and state swapped to match
@@ -128,13 +148,14 @@ class TiledStep:
         self._spans: dict[int, list[Span]] = {}  # id(chunk) -> its spans
         self._loose: dict[tuple, list[list]] = {}  # (chunks stepped, spans tiled) -> other pieces, per group
         self._groups_seen: list[tuple] = []  # _groups_key at build
+        self._exact = False  # spans of Adam/AdamW may step by the exact kernel (exact_adam.py)
 
     def build(self, opt, chunks) -> None:
         """The spans of `chunks` (the trainable ones the optimizer steps), given the pieces' param
         groups in `opt` now. None for an optimizer that is not ELEMENTWISE (its step may read a
         tensor as a whole) or whose gradients are differentiable, nor for chunks whose master the
         disk tier swaps in and out."""
-        self._spans, self._loose = {}, {}
+        self._spans, self._loose, self._exact = {}, {}, False
         self._groups_seen = _groups_key(opt)
         if type(opt) not in ELEMENTWISE or any(g.get("differentiable") for g in opt.param_groups):
             return
@@ -154,6 +175,9 @@ class TiledStep:
             spans += self._span_of(c, run)
             if spans:
                 self._spans[id(c)] = spans
+        if exact_adam.fits_optimizer(opt):
+            on_cpu = sum(s.hi - s.lo for ss in self._spans.values() for s in ss if s.master.device.type == "cpu")
+            self._exact = on_cpu > 0 and exact_adam.wanted(on_cpu) and exact_adam.ops() is not None
 
     @staticmethod
     def _span_of(c, run) -> list[Span]:
@@ -179,6 +203,7 @@ class TiledStep:
         state = opt.state
         params = [[] for _ in opt.param_groups]
         tiled: list[Span] = []
+        exact: list[tuple[Span, tuple]] = []
         for c in chunks:
             for span in self._spans.get(id(c), ()):
                 if span.master is not c.master or any(pc.param.grad is None for pc in span.pieces):
@@ -191,6 +216,9 @@ class TiledStep:
                     t.grad = g[a:b]
                 params[span.group] += span.tiles
                 tiled.append(span)
+                tensors = span.exact_tensors(g) if self._exact else None
+                if tensors is not None:
+                    exact.append((span, tensors))
         key = (tuple(id(c) for c in chunks), tuple(id(s) for s in tiled))
         loose = self._loose.get(key)
         if loose is None:  # the same every step while the same spans step as tiles
@@ -208,6 +236,8 @@ class TiledStep:
             g["params"] = ps + ls
         for span in tiled:
             state.update(zip(span.tiles, span.tile_states))
+        # Registered last, so it runs after the user's pre-hooks (an LR change there is seen)
+        hook = opt.register_step_pre_hook(lambda o, args, kwargs: _step_exact(o, exact)) if exact else None
         try:
             yield
         except BaseException:
@@ -218,12 +248,30 @@ class TiledStep:
             for span in tiled:
                 span.stepped()
         finally:
+            if hook is not None:
+                hook.remove()
             for g, ps in zip(opt.param_groups, saved):
                 g["params"] = ps
             for span in tiled:
                 for t in span.tiles:
                     state.pop(t, None)
                     t.grad = None
+
+
+def _step_exact(opt, exact: list[tuple[Span, tuple]]) -> None:
+    """The optimizer's step pre-hook: each span whose group the exact kernel takes (exact_adam.py,
+    checked now, after the user's pre-hooks) is stepped by it as one tensor, and its tiles lose
+    their gradients, so torch's step that follows leaves them out; the rest torch steps."""
+    for span, (tensors, steps) in exact:
+        group = opt.param_groups[span.group]
+        if not (exact_adam.fits_group(group) and exact_adam.agrees(type(opt), group)):
+            continue
+        torch._foreach_add_(steps, 1.0)  # as torch counts: before the update
+        with torch.no_grad():
+            exact_adam.step_(*tensors, group, steps[0].item())
+        span.stepped()  # now: a failure later in this step leaves the pieces' counts with their moments
+        for t in span.tiles:
+            t.grad = None
 
 
 def _groups_key(opt) -> list[tuple[int, int, int]]:

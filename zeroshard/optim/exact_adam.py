@@ -1,0 +1,153 @@
+"""torch's Adam and AdamW step on fp32 CPU tensors in one pass over memory, with torch's bits.
+
+The tiled step (tiled_step.py) hands torch's optimizer cache-sized tiles; torch's single-tensor
+Adam still makes seven passes over each tile (one per operation), and an Adam step on the CPU is
+bound by memory traffic. csrc/exact_adam.cpp does the same operations in one pass, each written as
+ATen's CPU kernel computes it, so the parameter and both moments come out bit for bit as torch's
+(measured on an AVX-512 Xeon, torch 2.13, 23.2M elements: 24 ms against torch's 93-98 ms over
+the same elements as tiles; `python bench/exact_adam.py` measures it).
+
+Bits that match on one machine may not on another (a torch built without MKL, whose sqrt the
+kernel borrows; another CPU capability), so nothing is taken on trust: before a code path is
+first used (`agrees`), a probe steps with torch's own optimizer and with the kernel, and every
+bit is compared; where they differ, torch's step is used, as where the kernel
+cannot be built. ZEROSHARD_EXACT_ADAM=off never builds it; =on builds it for any size (by default
+only where a rank steps at least MIN_ELEMENTS elements as spans: the build takes about 8 s, once
+per machine, cached by torch's extension builder).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("zeroshard")
+
+MIN_ELEMENTS = 1 << 20  # a step of 1M elements gains ~3 ms: below that the first run's build does not pay
+# torch's CPU capability -> the compiler flags that give Vectorized<float> the same lanes as ATen's kernels
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+PROBE_ELEMENTS = 3 * 4096 + 64  # three kernel blocks and a short one
+PROBE_STEPS = 3
+
+_ops = None
+_tried = False
+_agreed: dict[tuple, bool] = {}
+
+
+def wanted(elements: int) -> bool:
+    """Whether a rank stepping `elements` elements as spans should use the kernel (the env var and
+    the size rule of the module docstring); says nothing of whether it can be built."""
+    mode = os.environ.get("ZEROSHARD_EXACT_ADAM", "").lower()
+    if mode == "off":
+        return False
+    return mode == "on" or elements >= MIN_ELEMENTS
+
+
+def ops():
+    """The kernel's torch.ops namespace, built on first call; None where it cannot be built or
+    this torch has no vmsSqrt (the reason logged once)."""
+    global _ops, _tried
+    if _tried:
+        return _ops
+    _tried = True
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in CAPABILITY_FLAGS:
+        log.info("exact Adam kernel: not for torch's CPU capability %s; torch's step is used", capability)
+        return None
+    name = f"zeroshard_exact_adam_{capability.lower()}"
+    try:
+        from torch.utils.cpp_extension import load
+        src = os.path.join(os.path.dirname(__file__), "csrc", "exact_adam.cpp")
+        log.info("building the exact Adam kernel (%s; once per machine, about 8 s)", name)
+        # -ffp-contract=off: ATen fuses only where it calls fmadd; the compiler must not fuse more.
+        # -fopenmp: at::parallel_for is an inline OpenMP region (serial without it).
+        load(name, [src], is_python_module=False, extra_ldflags=["-fopenmp"],
+             extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY_{capability}",
+                           f"-DCPU_CAPABILITY={capability}", *CAPABILITY_FLAGS[capability]])
+        namespace = torch.ops.zeroshard_exact_adam
+        if not namespace.has_vml():
+            log.info("exact Adam kernel: this torch has no vmsSqrt (built without MKL); torch's step is used")
+            return None
+        _ops = namespace
+    except Exception as e:  # no compiler, no headers, ...: torch's step is as exact, only slower
+        log.warning("exact Adam kernel unavailable (%s: %s); torch's step is used",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    return _ops
+
+
+def fits_optimizer(opt) -> bool:
+    """`opt` is torch's Adam or AdamW itself (a subclass may step otherwise), with no GradScaler
+    state on it (the fused path's grad_scale/found_inf)."""
+    return (type(opt) in (torch.optim.Adam, torch.optim.AdamW) and getattr(opt, "grad_scale", None) is None
+            and getattr(opt, "found_inf", None) is None)
+
+
+def fits_group(group: dict) -> bool:
+    """The group steps by _single_tensor_adam's non-capturable path with plain float
+    hyperparameters, and its weight decay is decoupled or zero (Adam's L2 decay adds to the
+    gradient: not in the kernel)."""
+    if any(group.get(k) for k in ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")):
+        return False
+    numbers = (group.get("lr"), *group.get("betas", (None, None)), group.get("eps"), group.get("weight_decay"))
+    if not all(type(x) in (float, int) for x in numbers):
+        return False
+    return group["weight_decay"] == 0 or bool(group.get("decoupled_weight_decay"))
+
+
+def step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+          group: dict, step: float) -> None:
+    """One step of `group`'s Adam on flat fp32 CPU tensors whose step count is now `step` (already
+    counted, as torch counts it before the update). The scalars are torch's, computed as it
+    computes them (Python floats)."""
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    decay = 1 - lr * wd if wd != 0 else 1.0
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    _ops.adam_(param, grad, exp_avg, exp_avg_sq, decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5,
+               eps, -step_size)
+
+
+def agrees(opt_class, group: dict) -> bool:
+    """Whether the kernel gives torch's bits for `group` under `opt_class`: PROBE_STEPS steps of a
+    probe with gradients at three scales, each parameter and moment compared bit for bit. Asked
+    once per code path, the first time with this group's values: ATen's kernels branch on the
+    lerp weight (|1 - beta1| below 0.5 or not) and torch on whether weight decay is 0; other values
+    only change the scalars, each computed as torch computes it (so an LR schedule does not ask
+    again at every step). Draws from its own generator, not the global one."""
+    key = (opt_class, abs(1 - group["betas"][0]) < 0.5, group["weight_decay"] == 0,
+           bool(group.get("decoupled_weight_decay")))
+    if key not in _agreed:
+        _agreed[key] = ops() is not None and _probe(opt_class, group)
+        if not _agreed[key] and _ops is not None:
+            log.warning("exact Adam kernel: its bits differ from torch's for %s (lr %s, betas %s, eps %s, "
+                        "weight_decay %s); torch's step is used", opt_class.__name__, group["lr"], group["betas"],
+                        group["eps"], group["weight_decay"])
+    return _agreed[key]
+
+
+def _probe(opt_class, group: dict) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    n = PROBE_ELEMENTS
+    start = torch.randn(n, generator=gen)
+    ref = torch.nn.Parameter(start.clone())
+    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    if opt_class is torch.optim.Adam:
+        hyper["decoupled_weight_decay"] = bool(group.get("decoupled_weight_decay"))
+    torch_opt = opt_class([ref], foreach=False, **hyper)
+    mine, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+    with torch.no_grad():
+        for k in range(1, PROBE_STEPS + 1):
+            g = torch.randn(n, generator=gen) * 10.0 ** (k % 3 - 1)
+            g[:64] = 0  # zero gradients: a zero moment's sqrt
+            ref.grad = g
+            torch_opt.step()
+            step_(mine, g, m, v, group, float(k))
+            st = torch_opt.state[ref]
+            if not (torch.equal(mine, ref) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"])):
+                return False
+    return True
