@@ -47,6 +47,8 @@ OPTIMIZERS = {
     "adamw_groups": lambda m: torch.optim.AdamW(groups(m)),
     "adam_amsgrad_maximize": lambda m: torch.optim.Adam(groups(m, amsgrad=True, maximize=True)),
     "adamw_foreach": lambda m: torch.optim.AdamW(groups(m), foreach=True),
+    "adam_maximize": lambda m: torch.optim.Adam(groups(m, maximize=True)),
+    "adam_l2_decay": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.1),
     "sgd_nesterov": lambda m: torch.optim.SGD(groups(m, momentum=0.9, nesterov=True)),
     "sgd_dampening": lambda m: torch.optim.SGD(groups(m, momentum=0.9, dampening=0.3)),
 }
@@ -57,17 +59,17 @@ def data(steps=5):
     return torch.randint(0, 100, (steps, 4, 6), generator=g)
 
 
-def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None, steps=5, setup=None):
+def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None, steps=5, setup=None, cfg=None):
     """Train Odd for `steps` steps; returns (full state dict, optimizer state by parameter name,
     tile steps taken). `skip_at`: steps whose forward leaves `side` out; `between(engine, step)`
-    runs after each step; `setup(engine)` before the first."""
+    runs after each step; `setup(engine)` before the first; `cfg`: more config."""
     taken = []
     stepped = tiled_step.Span.stepped
     monkeypatch.setattr(tiled_step, "ELEMENTWISE", tiled_step.ELEMENTWISE if tiles else ())
     monkeypatch.setattr(tiled_step, "TILE", 128)  # several tiles per span, cut inside pieces
     monkeypatch.setattr(tiled_step.Span, "stepped", lambda self: (taken.append(1), stepped(self)))
     model = Odd()
-    engine = zeroshard.initialize(model, make_opt(model), {"stage": stage, "chunk_size": 1 << 16})
+    engine = zeroshard.initialize(model, make_opt(model), {"stage": stage, "chunk_size": 1 << 16, **(cfg or {})})
     if setup is not None:
         setup(engine)
     for i, x in enumerate(data(steps)):
@@ -75,6 +77,9 @@ def train(make_opt, tiles: bool, monkeypatch, stage=0, skip_at=(), between=None,
         engine.step()
         if between is not None:
             between(engine, i)
+    if (cfg or {}).get("delay_update_after") is not None:
+        with engine.full_parameters():  # lands the last step's delayed update, whose thread writes the state
+            pass
     names = {id(pc.param): pc.slot.name for c in engine.optim.chunks for pc in c.pieces}  # the pieces' parameters
     opt = engine.optimizer
     state = {}
@@ -242,16 +247,25 @@ def test_the_exact_kernel_gives_torch_adams_bits(monkeypatch, case):
     assert exact_adam.agrees(cls, group)
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_the_exact_kernel_trains_bit_for_bit_what_pieces_train(monkeypatch, stage):
+# Where the exact kernel steps: masters on the CPU. Stage 0 keeps them on the device (a GPU where
+# there is one, then the kernel must not run); offload_optimizer keeps them on the host anywhere.
+ON_HOST = {"stage0": ({"stage": 0}, not torch.cuda.is_available()),
+           "stage3_offload": ({"stage": 3, "offload_optimizer": True}, True),
+           "stage2_delayed": ({"stage": 2, "offload_optimizer": True, "delay_update_after": 1}, True)}
+
+
+@pytest.mark.parametrize("where", ON_HOST)
+def test_the_exact_kernel_trains_bit_for_bit_what_pieces_train(monkeypatch, where):
     """Param groups (one decayed, one not, another lr) and a parameter skipped at a step inside a
-    span: the kernel steps the spans, torch the rest, and every bit and step count is the pieces'."""
+    span: the kernel steps the spans, torch the rest, and every bit and step count is the pieces'
+    (the delayed update steps in its background thread)."""
     make = OPTIMIZERS["adamw_groups"]
+    cfg, on_host = ON_HOST[where]
     counted = exact(monkeypatch)
-    sd, st, _ = train(make, True, monkeypatch, stage=stage, skip_at=(3,), steps=6)
-    assert sum(counted) > 0
+    sd, st, _ = train(make, True, monkeypatch, skip_at=(3,), steps=6, cfg=cfg)
+    assert (sum(counted) > 0) == on_host, counted
     exact(monkeypatch, on=False)
-    sd0, st0, _ = train(make, False, monkeypatch, stage=stage, skip_at=(3,), steps=6)
+    sd0, st0, _ = train(make, False, monkeypatch, skip_at=(3,), steps=6, cfg=cfg)
     assert_identical(sd, sd0)
     assert_identical(st, st0)
     assert float(st["side.weight.step"]) == 5 and float(st["up.weight.step"]) == 6, st
@@ -266,35 +280,63 @@ def test_the_exact_kernel_reads_the_lr_a_users_pre_hook_set(monkeypatch):
         engine.optimizer.register_step_pre_hook(lambda o, a, k: o.param_groups[0].__setitem__(
             "lr", o.param_groups[0]["lr"] * 0.5))
     counted = exact(monkeypatch)
-    sd, st, _ = train(make, True, monkeypatch, setup=setup)
+    sd, st, _ = train(make, True, monkeypatch, setup=setup, cfg=ON_HOST["stage3_offload"][0])
     assert sum(counted) > 0
     exact(monkeypatch, on=False)
-    sd0, st0, _ = train(make, True, monkeypatch, setup=setup)
+    sd0, st0, _ = train(make, True, monkeypatch, setup=setup, cfg=ON_HOST["stage3_offload"][0])
     assert_identical(sd, sd0)
     assert_identical(st, st0)
 
 
-@pytest.mark.parametrize("name", ["adam_amsgrad_maximize", "adamw_foreach", "probe_disagrees"])
+def test_a_gradient_a_users_pre_hook_replaced_is_stepped_by_torch(monkeypatch):
+    """A pre-hook that gives the tiles other gradients (new tensors): the kernel, which read the
+    ones the engine set, leaves those spans to torch, which steps the hook's."""
+    make = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)  # noqa: E731
+
+    def setup(engine):
+        def halve(o, a, k):
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad = p.grad * 0.5
+        engine.optimizer.register_step_pre_hook(halve)
+    counted = exact(monkeypatch)
+    sd, st, taken = train(make, True, monkeypatch, setup=setup, cfg=ON_HOST["stage3_offload"][0])
+    assert counted == [] and taken > 0
+    exact(monkeypatch, on=False)
+    sd0, st0, _ = train(make, False, monkeypatch, setup=setup, cfg=ON_HOST["stage3_offload"][0])
+    assert_identical(sd, sd0)
+    assert_identical(st, st0)
+
+
+@pytest.mark.parametrize("name", ["adam_amsgrad_maximize", "adam_maximize", "adamw_foreach", "adam_l2_decay",
+                                  "probe_disagrees"])
 def test_torch_steps_what_the_exact_kernel_does_not_take(monkeypatch, name):
-    """amsgrad/maximize and foreach groups are not the kernel's; nor a group whose bit probe
-    disagrees (as on a machine whose sqrt is not torch's): torch steps them, bit for bit as before."""
+    """amsgrad, maximize, foreach and Adam's L2 decay are not the kernel's; nor a group whose bit
+    probe disagrees (as on a machine whose sqrt is not torch's): torch steps them, bit for bit as
+    before."""
     make = OPTIMIZERS["adamw_groups" if name == "probe_disagrees" else name]
     counted = exact(monkeypatch)
     if name == "probe_disagrees":
         monkeypatch.setattr(exact_adam, "_probe", lambda *a: False)
-    sd, st, taken = train(make, True, monkeypatch)
+    cfg = ON_HOST["stage3_offload"][0]
+    sd, st, taken = train(make, True, monkeypatch, cfg=cfg)
     assert counted == [] and taken > 0
     exact(monkeypatch, on=False)
-    sd0, st0, _ = train(make, False, monkeypatch)
+    sd0, st0, _ = train(make, False, monkeypatch, cfg=cfg)
     assert_identical(sd, sd0)
     assert_identical(st, st0)
 
 
 def test_the_exact_kernel_waits_for_a_size_worth_its_build(monkeypatch):
-    """By default a rank stepping fewer than MIN_ELEMENTS as spans does not build it; =off never."""
+    """By default a rank stepping fewer than MIN_ELEMENTS as spans does not build it; =off never;
+    another value is refused, naming the valid ones."""
     monkeypatch.delenv("ZEROSHARD_EXACT_ADAM", raising=False)
     assert not exact_adam.wanted(exact_adam.MIN_ELEMENTS - 1) and exact_adam.wanted(exact_adam.MIN_ELEMENTS)
     monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "off")
     assert not exact_adam.wanted(1 << 40)
     monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "on")
     assert exact_adam.wanted(64)
+    monkeypatch.setenv("ZEROSHARD_EXACT_ADAM", "yes")
+    with pytest.raises(zeroshard.ConfigError, match="'on'.*'off'"):
+        exact_adam.wanted(64)

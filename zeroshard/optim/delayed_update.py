@@ -70,6 +70,9 @@ class DelayedUpdate:
                 view = object.__new__(type(opt))
                 view.__dict__.update(opt.__dict__)
                 view.param_groups = [dict(h, params=list(g["params"])) for h, g in zip(hyper, opt.param_groups)]
+                # and its own step pre-hooks (the tiled step registers one per step: not in the user's
+                # dict, where the main thread may register at the same time)
+                view._optimizer_step_pre_hooks = type(opt._optimizer_step_pre_hooks)(opt._optimizer_step_pre_hooks)
                 before = dict(view.__dict__)
 
                 def to_staging(c, target):

@@ -19,22 +19,29 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
+from torch.optim.adam import adam as torch_adam  # the function Adam.step calls (no optimizer hooks)
+
+from ..errors import ConfigError
 
 log = logging.getLogger("zeroshard")
 
 MIN_ELEMENTS = 1 << 20  # a step of 1M elements gains ~3 ms: below that the first run's build does not pay
-# torch's CPU capability -> the compiler flags that give Vectorized<float> the same lanes as ATen's kernels
+# torch's CPU capability -> the compiler flags of its vector instructions, FMA included
 CAPABILITY_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
-PROBE_ELEMENTS = 3 * 4096 + 64  # three kernel blocks and a short one
+# torch steps the probe as tensors of these lengths, the kernel as one: three kernel blocks and a
+# short one, and lengths that are no multiple of a vector, so torch's scalar loops are compared too
+PROBE_LENGTHS = (3 * 4096 + 8, 24, 8, 24)
 PROBE_STEPS = 3
 
 _ops = None
 _tried = False
+_lock = threading.Lock()  # the delayed update's thread may ask first, while the main thread does
 _agreed: dict[tuple, bool] = {}
 
 
@@ -42,6 +49,9 @@ def wanted(elements: int) -> bool:
     """Whether a rank stepping `elements` elements as spans should use the kernel (the env var and
     the size rule of the module docstring); says nothing of whether it can be built."""
     mode = os.environ.get("ZEROSHARD_EXACT_ADAM", "").lower()
+    if mode not in ("", "on", "off"):
+        raise ConfigError(f"ZEROSHARD_EXACT_ADAM={os.environ['ZEROSHARD_EXACT_ADAM']!r}: valid values are 'on' "
+                          "(the exact Adam kernel for any size), 'off' (never), or unset (by size)")
     if mode == "off":
         return False
     return mode == "on" or elements >= MIN_ELEMENTS
@@ -51,9 +61,14 @@ def ops():
     """The kernel's torch.ops namespace, built on first call; None where it cannot be built or
     this torch has no vmsSqrt (the reason logged once)."""
     global _ops, _tried
-    if _tried:
-        return _ops
-    _tried = True
+    with _lock:
+        if not _tried:
+            _ops = _build()
+            _tried = True
+    return _ops
+
+
+def _build():
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in CAPABILITY_FLAGS:
         log.info("exact Adam kernel: not for torch's CPU capability %s; torch's step is used", capability)
@@ -63,7 +78,8 @@ def ops():
         from torch.utils.cpp_extension import load
         src = os.path.join(os.path.dirname(__file__), "csrc", "exact_adam.cpp")
         log.info("building the exact Adam kernel (%s; once per machine, about 8 s)", name)
-        # -ffp-contract=off: ATen fuses only where it calls fmadd; the compiler must not fuse more.
+        # -mfma with the capability's flags: Vectorized<float>'s fmadd is then one rounding, as
+        # ATen's; -ffp-contract=off: the compiler fuses nothing ATen does not.
         # -fopenmp: at::parallel_for is an inline OpenMP region (serial without it).
         load(name, [src], is_python_module=False, extra_ldflags=["-fopenmp"],
              extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY_{capability}",
@@ -72,11 +88,11 @@ def ops():
         if not namespace.has_vml():
             log.info("exact Adam kernel: this torch has no vmsSqrt (built without MKL); torch's step is used")
             return None
-        _ops = namespace
+        return namespace
     except Exception as e:  # no compiler, no headers, ...: torch's step is as exact, only slower
         log.warning("exact Adam kernel unavailable (%s: %s); torch's step is used",
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    return _ops
+        return None
 
 
 def fits_optimizer(opt) -> bool:
@@ -100,16 +116,24 @@ def fits_group(group: dict) -> bool:
 
 def step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
           group: dict, step: float) -> None:
-    """One step of `group`'s Adam on flat fp32 CPU tensors whose step count is now `step` (already
-    counted, as torch counts it before the update). The scalars are torch's, computed as it
-    computes them (Python floats)."""
+    """One step of `group`'s Adam on flat fp32 CPU tensors (a length that is a multiple of 16
+    elements) whose step count is now `step` (already counted, as torch counts it before the
+    update). The scalars are torch's, computed as it computes them (Python floats)."""
+    _apply(param, grad, exp_avg, exp_avg_sq, group, step)
+
+
+def _apply(param, grad, exp_avg, exp_avg_sq, group: dict, step: float) -> None:  # the probe's entry too
     lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
     decay = 1 - lr * wd if wd != 0 else 1.0
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = lr / bias_correction1
-    _ops.adam_(param, grad, exp_avg, exp_avg_sq, decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5,
-               eps, -step_size)
+    with torch.no_grad():
+        _ops.adam_(param, grad, exp_avg, exp_avg_sq, decay, 1 - beta1, beta2, 1 - beta2, bias_correction2 ** 0.5,
+                   eps, -step_size)
+    # The kernel writes through pointers; torch's in-place ops would have counted the writes, and a
+    # backward through a graph that saved these tensors must see them (autograd's check, saved_tensors.py)
+    torch.autograd.graph.increment_version([param, exp_avg, exp_avg_sq])
 
 
 def agrees(opt_class, group: dict) -> bool:
@@ -119,8 +143,8 @@ def agrees(opt_class, group: dict) -> bool:
     lerp weight (|1 - beta1| below 0.5 or not) and torch on whether weight decay is 0; other values
     only change the scalars, each computed as torch computes it (so an LR schedule does not ask
     again at every step). Draws from its own generator, not the global one."""
-    key = (opt_class, abs(1 - group["betas"][0]) < 0.5, group["weight_decay"] == 0,
-           bool(group.get("decoupled_weight_decay")))
+    weight = torch.tensor(1 - group["betas"][0], dtype=torch.float32).abs().item()  # as ATen compares it
+    key = (opt_class, weight < 0.5, group["weight_decay"] == 0, bool(group.get("decoupled_weight_decay")))
     if key not in _agreed:
         _agreed[key] = ops() is not None and _probe(opt_class, group)
         if not _agreed[key] and _ops is not None:
@@ -131,23 +155,25 @@ def agrees(opt_class, group: dict) -> bool:
 
 
 def _probe(opt_class, group: dict) -> bool:
+    """torch's single-tensor Adam (its function, so no user's global optimizer hook sees the probe)
+    on tensors of PROBE_LENGTHS against the kernel on their concatenation."""
     gen = torch.Generator().manual_seed(0)
-    n = PROBE_ELEMENTS
-    start = torch.randn(n, generator=gen)
-    ref = torch.nn.Parameter(start.clone())
-    hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
-    if opt_class is torch.optim.Adam:
-        hyper["decoupled_weight_decay"] = bool(group.get("decoupled_weight_decay"))
-    torch_opt = opt_class([ref], foreach=False, **hyper)
-    mine, m, v = start.clone(), torch.zeros(n), torch.zeros(n)
+    n = sum(PROBE_LENGTHS)
+    mine, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+    params = [t.clone() for t in mine.split(PROBE_LENGTHS)]
+    moments = [torch.zeros(k) for k in PROBE_LENGTHS], [torch.zeros(k) for k in PROBE_LENGTHS]
+    steps = [torch.tensor(0.0) for _ in PROBE_LENGTHS]
+    decoupled = opt_class is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
     with torch.no_grad():
         for k in range(1, PROBE_STEPS + 1):
             g = torch.randn(n, generator=gen) * 10.0 ** (k % 3 - 1)
-            g[:64] = 0  # zero gradients: a zero moment's sqrt
-            ref.grad = g
-            torch_opt.step()
-            step_(mine, g, m, v, group, float(k))
-            st = torch_opt.state[ref]
-            if not (torch.equal(mine, ref) and torch.equal(m, st["exp_avg"]) and torch.equal(v, st["exp_avg_sq"])):
+            g[::13] = 0  # zero gradients: a zero moment's sqrt
+            torch_adam(params, list(g.split(PROBE_LENGTHS)), *moments, [], steps, foreach=False, capturable=False,
+                       differentiable=False, fused=None, has_complex=False, decoupled_weight_decay=decoupled,
+                       amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                       weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            _apply(mine, g, m, v, group, float(k))
+            if not (torch.equal(mine, torch.cat(params)) and torch.equal(m, torch.cat(moments[0]))
+                    and torch.equal(v, torch.cat(moments[1]))):
                 return False
     return True

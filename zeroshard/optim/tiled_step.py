@@ -128,14 +128,16 @@ class Span:
             torch._foreach_copy_(self._piece_scalars, self._tile_scalars)
 
     def exact_tensors(self, grad: torch.Tensor) -> tuple | None:
-        """(parameter, gradient, exp_avg, exp_avg_sq) of the whole span as flat fp32 CPU tensors
-        for the exact Adam kernel, with the tiles' step counts; None where its flat state is not
-        Adam's alone (amsgrad's third moment, another optimizer's keys) or a tensor is not such."""
+        """((parameter, gradient, exp_avg, exp_avg_sq) of the whole span as flat fp32 CPU tensors,
+        the tiles' step counts) for the exact Adam kernel; None where the flat state is not Adam's
+        alone (amsgrad's third moment, another optimizer's keys) or a tensor is not such."""
         if self._flats.keys() != {"exp_avg", "exp_avg_sq"} or self.tile_states[0].keys() != {"step", *self._flats}:
             return None
-        tensors = (self.master[self.lo:self.hi], grad[self.lo:self.hi], self._flats["exp_avg"], self._flats["exp_avg_sq"])
+        tensors = (self.master.detach()[self.lo:self.hi], grad[self.lo:self.hi],
+                   self._flats["exp_avg"], self._flats["exp_avg_sq"])
         steps = [st["step"] for st in self.tile_states]
-        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (*tensors, *steps)):
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                   for t in (*tensors, *steps)):
             return None
         return tensors, steps
 
@@ -148,21 +150,22 @@ class TiledStep:
         self._spans: dict[int, list[Span]] = {}  # id(chunk) -> its spans
         self._loose: dict[tuple, list[list]] = {}  # (chunks stepped, spans tiled) -> other pieces, per group
         self._groups_seen: list[tuple] = []  # _groups_key at build
-        self._exact = False  # spans of Adam/AdamW may step by the exact kernel (exact_adam.py)
+        self._exact: set[int] = set()  # the groups whose spans the exact kernel may step (exact_adam.py)
 
     def build(self, opt, chunks) -> None:
         """The spans of `chunks` (the trainable ones the optimizer steps), given the pieces' param
         groups in `opt` now. None for an optimizer that is not ELEMENTWISE (its step may read a
         tensor as a whole) or whose gradients are differentiable, nor for chunks whose master the
         disk tier swaps in and out."""
-        self._spans, self._loose, self._exact = {}, {}, False
+        self._spans, self._loose, self._exact = {}, {}, set()
         self._groups_seen = _groups_key(opt)
         if type(opt) not in ELEMENTWISE or any(g.get("differentiable") for g in opt.param_groups):
             return
         group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        chunks = [c for c in chunks if c.tier is None and c.master is not None]
+        if exact_adam.fits_optimizer(opt):
+            self._exact = self._exact_groups(opt, chunks, group_of)
         for c in chunks:
-            if c.tier is not None or c.master is None:
-                continue
             spans, run = [], []
             for pc in c.pieces:
                 g = group_of.get(id(pc.param))
@@ -175,14 +178,26 @@ class TiledStep:
             spans += self._span_of(c, run)
             if spans:
                 self._spans[id(c)] = spans
-        if exact_adam.fits_optimizer(opt):
-            on_cpu = sum(s.hi - s.lo for ss in self._spans.values() for s in ss if s.master.device.type == "cpu")
-            self._exact = on_cpu > 0 and exact_adam.wanted(on_cpu) and exact_adam.ops() is not None
 
     @staticmethod
-    def _span_of(c, run) -> list[Span]:
-        # one small piece alone gains nothing from a span; a large one gains its tiles
-        if len(run) > 1 or (run and run[0][0].hi - run[0][0].lo > TILE):
+    def _exact_groups(opt, chunks, group_of) -> set[int]:
+        """The groups the exact kernel may step spans of: it fits them now, and every tensor in
+        them is on the CPU or foreach is off (torch picks foreach from the tensors that have a
+        gradient, so spans on the CPU that the kernel took out of a group of CUDA pieces too
+        would turn the rest to the foreach step, which rounds otherwise on CUDA). Empty where
+        the kernel is not wanted for the elements it could step, or cannot be built."""
+        groups = {i for i, g in enumerate(opt.param_groups) if exact_adam.fits_group(g)
+                  and (g.get("foreach") is False or all(p.device.type == "cpu" for p in g["params"]))}
+        elements = sum(pc.hi - pc.lo for c in chunks if c.master.device.type == "cpu" for pc in c.pieces
+                       if group_of.get(id(pc.param)) in groups and (pc.hi - pc.lo) % VECTOR == 0)
+        if not elements or not exact_adam.wanted(elements) or exact_adam.ops() is None:
+            return set()
+        return groups
+
+    def _span_of(self, c, run) -> list[Span]:
+        # one small piece alone gains nothing from tiles (a large one does), but one pass of the
+        # exact kernel in place of torch's seven it does
+        if len(run) > 1 or (run and (run[0][0].hi - run[0][0].lo > TILE or run[0][1] in self._exact)):
             return [Span(c, run[0][1], [pc for pc, _ in run])]
         return []
 
@@ -199,11 +214,12 @@ class TiledStep:
         `grad_of(chunk)`: the fp32 gradient of the chunk's owned range the pieces' .grad view.
         After a step that did not raise, the pieces' scalars follow the tiles'. With no tile and
         every piece stepping, nothing changes. A step hook the user registered on the optimizer
-        sees the groups as they are inside (tiles among the pieces)."""
+        sees the groups as they are inside (tiles among the pieces); a post-hook sees no gradient
+        on the tiles of spans the exact kernel stepped."""
         state = opt.state
         params = [[] for _ in opt.param_groups]
         tiled: list[Span] = []
-        exact: list[tuple[Span, tuple]] = []
+        exact: list[tuple[Span, tuple, list]] = []
         for c in chunks:
             for span in self._spans.get(id(c), ()):
                 if span.master is not c.master or any(pc.param.grad is None for pc in span.pieces):
@@ -216,9 +232,9 @@ class TiledStep:
                     t.grad = g[a:b]
                 params[span.group] += span.tiles
                 tiled.append(span)
-                tensors = span.exact_tensors(g) if self._exact else None
+                tensors = span.exact_tensors(g) if span.group in self._exact else None
                 if tensors is not None:
-                    exact.append((span, tensors))
+                    exact.append((span, *tensors, [t.grad for t in span.tiles]))
         key = (tuple(id(c) for c in chunks), tuple(id(s) for s in tiled))
         loose = self._loose.get(key)
         if loose is None:  # the same every step while the same spans step as tiles
@@ -258,17 +274,18 @@ class TiledStep:
                     t.grad = None
 
 
-def _step_exact(opt, exact: list[tuple[Span, tuple]]) -> None:
+def _step_exact(opt, exact: list[tuple[Span, tuple, list, list]]) -> None:
     """The optimizer's step pre-hook: each span whose group the exact kernel takes (exact_adam.py,
     checked now, after the user's pre-hooks) is stepped by it as one tensor, and its tiles lose
-    their gradients, so torch's step that follows leaves them out; the rest torch steps."""
-    for span, (tensors, steps) in exact:
+    their gradients, so torch's step that follows leaves them out; the rest torch steps, as it
+    does a span whose tiles' gradients a user's pre-hook replaced."""
+    for span, tensors, steps, grads in exact:
         group = opt.param_groups[span.group]
-        if not (exact_adam.fits_group(group) and exact_adam.agrees(type(opt), group)):
+        if not (all(map(operator.is_, (t.grad for t in span.tiles), grads)) and exact_adam.fits_group(group)
+                and exact_adam.agrees(type(opt), group)):
             continue
         torch._foreach_add_(steps, 1.0)  # as torch counts: before the update
-        with torch.no_grad():
-            exact_adam.step_(*tensors, group, steps[0].item())
+        exact_adam.step_(*tensors, group, steps[0].item())
         span.stepped()  # now: a failure later in this step leaves the pieces' counts with their moments
         for t in span.tiles:
             t.grad = None

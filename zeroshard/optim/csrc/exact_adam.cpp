@@ -3,9 +3,10 @@
 //
 // torch runs that step as seven whole-tensor kernels (mul_, lerp_, mul_, addcmul_, sqrt, div,
 // add_, addcdiv_), each reading and writing every element; here each element is read and written
-// once. The bits are torch's because each operation is written as ATen's CPU kernel computes it,
-// in the same Vectorized<float> lanes (the file is built with torch's CPU capability macro and
-// -ffp-contract=off, so no product is fused that ATen does not fuse):
+// once. The bits are torch's because each operation is written as ATen's CPU kernel computes it
+// per element (an element's result does not depend on the vector width; the file is built with
+// FMA, so Vectorized's fmadd rounds once as ATen's does, and with -ffp-contract=off, so nothing
+// else is fused):
 //   param.mul_(decay)              P * decay
 //   exp_avg.lerp_(grad, w)         fmadd(w, g - m, m) when |w| < 0.5, else fmadd(w - 1, g - m, g)
 //   exp_avg_sq.mul_(b2).addcmul_   fmadd(value * g, g, v * b2)
@@ -26,6 +27,8 @@
 #include <cmath>
 #include <cstdint>
 
+// MKL's own declaration takes n as MKL_INT (int in LP64 builds): an int64 in the register carries
+// the same low 32 bits and is right for ILP64 too. Weak: null where torch has no MKL.
 extern "C" void vmsSqrt(const int64_t n, const float* a, float* r, const int64_t mode) __attribute__((weak));
 
 namespace {
