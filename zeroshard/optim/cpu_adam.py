@@ -15,13 +15,11 @@ element), so the kernel that wins is the one that makes the fewest passes over m
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 from ..errors import ConfigError
-
-log = logging.getLogger("zeroshard")
+from .kernels import build
 
 _kernel = None
 _kernel_tried = False
@@ -36,20 +34,11 @@ def kernel():
     _kernel_tried = True
     if os.environ.get("ZEROSHARD_CPU_ADAM", "").lower() == "torch":
         return None
-    try:
-        from torch.utils.cpp_extension import load
-        src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_adam.cpp")
-        # -fopenmp: at::parallel_for is an inline OpenMP region (serial without it); the process
-        # already has torch's libgomp loaded, so no second runtime comes in.
-        # -ffp-contract=off: no product fused into a later add, so a gradient scaled in the kernel
-        # equals one scaled by torch beforehand, bit for bit.
-        _kernel = load("zeroshard_cpu_adam", [src], extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                  "-fno-math-errno", "-ffp-contract=off"],
-                       extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no headers, ...: correct results matter more than speed
-        log.warning("CPU Adam kernel unavailable (%s: %s); using torch's fused AdamW",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _kernel = None
+    # -ffp-contract=off: no product fused into a later add, so a gradient scaled in the kernel
+    # equals one scaled by torch beforehand, bit for bit.
+    _kernel = build("zeroshard_cpu_adam", "cpu_adam.cpp",
+                    ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"],
+                    "CPU Adam kernel", "using torch's fused AdamW")
     return _kernel
 
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 
 import torch
 from torch.optim.adam import adam as torch_adam  # the function Adam.step calls (no optimizer hooks)
 
 from ..errors import ConfigError
+from .kernels import build
 
 log = logging.getLogger("zeroshard")
 
@@ -74,25 +76,18 @@ def _build():
         log.info("exact Adam kernel: not for torch's CPU capability %s; torch's step is used", capability)
         return None
     name = f"zeroshard_exact_adam_{capability.lower()}"
-    try:
-        from torch.utils.cpp_extension import load
-        src = os.path.join(os.path.dirname(__file__), "csrc", "exact_adam.cpp")
-        log.info("building the exact Adam kernel (%s; once per machine, about 8 s)", name)
-        # -mfma with the capability's flags: Vectorized<float>'s fmadd is then one rounding, as
-        # ATen's; -ffp-contract=off: the compiler fuses nothing ATen does not.
-        # -fopenmp: at::parallel_for is an inline OpenMP region (serial without it).
-        load(name, [src], is_python_module=False, extra_ldflags=["-fopenmp"],
-             extra_cflags=["-O3", "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY_{capability}",
-                           f"-DCPU_CAPABILITY={capability}", *CAPABILITY_FLAGS[capability]])
-        namespace = torch.ops.zeroshard_exact_adam
-        if not namespace.has_vml():
-            log.info("exact Adam kernel: this torch has no vmsSqrt (built without MKL); torch's step is used")
-            return None
-        return namespace
-    except Exception as e:  # no compiler, no headers, ...: torch's step is as exact, only slower
-        log.warning("exact Adam kernel unavailable (%s: %s); torch's step is used",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    log.info("building the exact Adam kernel (%s; once per machine, about 8 s)", name)
+    # -mfma with the capability's flags: Vectorized<float>'s fmadd is then one rounding, as ATen's;
+    # -ffp-contract=off: the compiler fuses nothing ATen does not.
+    built = build(name, "exact_adam.cpp", ["-O3", "-ffp-contract=off", "-fopenmp", f"-DCPU_CAPABILITY_{capability}",
+                                           f"-DCPU_CAPABILITY={capability}", *CAPABILITY_FLAGS[capability]],
+                  "exact Adam kernel", "torch's step is used", python_module=False)
+    if built is None:
         return None
+    if not torch.ops.zeroshard_exact_adam.has_vml():
+        log.info("exact Adam kernel: this torch has no vmsSqrt (built without MKL); torch's step is used")
+        return None
+    return torch.ops.zeroshard_exact_adam
 
 
 def fits_optimizer(opt) -> bool:
@@ -143,7 +138,7 @@ def agrees(opt_class, group: dict) -> bool:
     lerp weight (|1 - beta1| below 0.5 or not) and torch on whether weight decay is 0; other values
     only change the scalars, each computed as torch computes it (so an LR schedule does not ask
     again at every step). Draws from its own generator, not the global one."""
-    weight = torch.tensor(1 - group["betas"][0], dtype=torch.float32).abs().item()  # as ATen compares it
+    weight = abs(struct.unpack("f", struct.pack("f", 1 - group["betas"][0]))[0])  # in fp32, as ATen compares it
     key = (opt_class, weight < 0.5, group["weight_decay"] == 0, bool(group.get("decoupled_weight_decay")))
     if key not in _agreed:
         _agreed[key] = ops() is not None and _probe(opt_class, group)

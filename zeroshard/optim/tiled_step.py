@@ -279,10 +279,12 @@ def _step_exact(opt, exact: list[tuple[Span, tuple, list, list]]) -> None:
     checked now, after the user's pre-hooks) is stepped by it as one tensor, and its tiles lose
     their gradients, so torch's step that follows leaves them out; the rest torch steps, as it
     does a span whose tiles' gradients a user's pre-hook replaced."""
+    takes: dict[int, bool] = {}  # group index -> the kernel takes it (asked once per group, not per span)
     for span, tensors, steps, grads in exact:
         group = opt.param_groups[span.group]
-        if not (all(map(operator.is_, (t.grad for t in span.tiles), grads)) and exact_adam.fits_group(group)
-                and exact_adam.agrees(type(opt), group)):
+        if span.group not in takes:
+            takes[span.group] = exact_adam.fits_group(group) and exact_adam.agrees(type(opt), group)
+        if not (takes[span.group] and all(map(operator.is_, (t.grad for t in span.tiles), grads))):
             continue
         torch._foreach_add_(steps, 1.0)  # as torch counts: before the update
         exact_adam.step_(*tensors, group, steps[0].item())

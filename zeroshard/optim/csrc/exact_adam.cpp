@@ -41,8 +41,6 @@ constexpr int64_t kGrainBlocks = 8;  // blocks per task (32768 elements, ATen's 
 
 bool has_vml() { return vmsSqrt != nullptr; }
 
-int64_t vector_size() { return Vec::size(); }
-
 void adam_(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v, double decay,
            double w, double beta2, double value, double bc2_sqrt, double eps, double neg_step_size) {
   TORCH_CHECK(vmsSqrt != nullptr, "zeroshard exact_adam: this torch has no vmsSqrt (built without MKL)");
@@ -86,7 +84,6 @@ void adam_(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const 
 
 TORCH_LIBRARY(zeroshard_exact_adam, lib) {
   lib.def("has_vml() -> bool", &has_vml);
-  lib.def("vector_size() -> int", &vector_size);
   lib.def("adam_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, float decay, float w, "
           "float beta2, float value, float bc2_sqrt, float eps, float neg_step_size) -> ()",
           &adam_);
